@@ -1,0 +1,75 @@
+"""The one dispatch point for NVFP4 matmuls: reference (dequantize + matmul) or a registered fast backend.
+
+``NVFP4Linear`` calls :func:`nvfp4_linear_forward` (``y = x @ Ŵᵀ``) and :func:`nvfp4_linear_dgrad`
+(``dx = dy @ Ŵ``). The reference path works on any device; fast kernels (Triton, for CUDA) register
+themselves with :func:`register_backend` and are picked when their ``supports`` predicate accepts the call.
+Set ``QERL_NVFP4_BACKEND=reference`` to force the reference path (debugging, A/B timing).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .format import dequantize
+
+MatmulFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Backend:
+    name: str
+    forward: MatmulFn  # (x [M, K], packed [N, K/2], scale [N, K/16], global [1]) -> y [M, N]
+    dgrad: MatmulFn  # (dy [M, N], packed [N, K/2], scale [N, K/16], global [1]) -> dx [M, K]
+    supports: Callable[[torch.Tensor, torch.Tensor], bool]  # (activation, packed) -> bool
+
+
+_BACKENDS: list[Backend] = []
+
+
+def register_backend(backend: Backend) -> None:
+    """Add a fast backend; later registrations take precedence."""
+    _BACKENDS.insert(0, backend)
+
+
+def _pick(x: torch.Tensor, packed: torch.Tensor) -> Backend | None:
+    if os.environ.get("QERL_NVFP4_BACKEND", "auto") == "reference":
+        return None
+    for b in _BACKENDS:
+        if b.supports(x, packed):
+            return b
+    return None
+
+
+def reference_forward(x2d, packed, scale, global_scale):
+    w = dequantize(packed, scale, global_scale, dtype=x2d.dtype)
+    return x2d @ w.t()
+
+
+def reference_dgrad(dy2d, packed, scale, global_scale):
+    w = dequantize(packed, scale, global_scale, dtype=dy2d.dtype)
+    return dy2d @ w
+
+
+def nvfp4_linear_forward(x: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
+    """``x [..., K] @ Ŵᵀ -> [..., N]`` without ever keeping Ŵ beyond this call."""
+    x2d = x.reshape(-1, x.shape[-1])
+    b = _pick(x2d, packed)
+    y = (b.forward if b else reference_forward)(x2d, packed, scale, global_scale)
+    return y.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def nvfp4_linear_dgrad(dy: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
+    """``dy [..., N] @ Ŵ -> [..., K]``: the input gradient, dequantizing again instead of saving Ŵ."""
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    b = _pick(dy2d, packed)
+    dx = (b.dgrad if b else reference_dgrad)(dy2d, packed, scale, global_scale)
+    return dx.reshape(*dy.shape[:-1], packed.shape[1] * 2)
+
+
+def active_backend_name(x: torch.Tensor, packed: torch.Tensor) -> str:
+    b = _pick(x.reshape(-1, x.shape[-1]), packed)
+    return b.name if b else "reference"

@@ -1,0 +1,58 @@
+"""Shared test helpers: tiny random decoder models built from configs (no Hub access here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_config(arch: str = "qwen2", **overrides):
+    """A 2-layer config of the given family; every Linear has in_features divisible by 16."""
+    from transformers import AutoConfig
+
+    kw = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen3":
+        kw["head_dim"] = 16
+    kw.update(overrides)
+    return AutoConfig.for_model(arch, **kw)
+
+
+def tiny_model(arch: str = "qwen2", dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides):
+    """A randomly initialised tiny causal LM (weights scaled up so quantization is non-trivial)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine with `pytest -m gpu`)")
+    for item in items:
+        if "gpu" in item.keywords or "vllm" in item.keywords:
+            item.add_marker(skip)
