@@ -73,3 +73,44 @@ def nvfp4_linear_dgrad(dy: torch.Tensor, packed, scale, global_scale) -> torch.T
 def active_backend_name(x: torch.Tensor, packed: torch.Tensor) -> str:
     b = _pick(x.reshape(-1, x.shape[-1]), packed)
     return b.name if b else "reference"
+
+
+# --------------------------------------------------------------------------------------------- Triton backend
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_TRITON_OK: bool | None = None
+
+
+def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """CUDA bf16/fp16 activations on sm_80+ with Triton installed; anything else keeps the reference path."""
+    global _TRITON_OK
+    if not x.is_cuda:  # cheap test first: CPU never imports Triton here
+        return False
+    if _TRITON_OK is None:
+        _TRITON_OK = _triton_available()
+    if not _TRITON_OK:
+        return False
+    from . import triton_kernels
+
+    return triton_kernels.supported(x, packed)
+
+
+def _triton_forward(x2d, packed, scale, global_scale):
+    from .triton_kernels import nvfp4_matmul_fwd
+
+    return nvfp4_matmul_fwd(x2d, packed, scale, global_scale)
+
+
+def _triton_dgrad(dy2d, packed, scale, global_scale):
+    from .triton_kernels import nvfp4_matmul_dgrad
+
+    return nvfp4_matmul_dgrad(dy2d, packed, scale, global_scale)
+
+
+register_backend(Backend(name="triton", forward=_triton_forward, dgrad=_triton_dgrad, supports=_triton_supports))

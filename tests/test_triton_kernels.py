@@ -1,0 +1,182 @@
+"""Triton NVFP4 matmuls against the float64 truth: on CPU under TRITON_INTERPRET=1 (small shapes), on GPU at
+Qwen2.5 shapes (``-m gpu``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the kernels must be defined in interpreter mode, before their import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from qerl_trl.nvfp4 import format as F  # noqa: E402
+from qerl_trl.nvfp4 import ops  # noqa: E402
+from qerl_trl.nvfp4.linear import NVFP4Linear  # noqa: E402
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_interp = pytest.mark.skipif(not INTERP, reason="CPU kernel tests need TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+
+
+def _tk():
+    from qerl_trl.nvfp4 import triton_kernels
+
+    return triton_kernels
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _weight(n, k, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.05  # uneven row magnitudes
+    return F.quantize(w.to(device))
+
+
+# float32 activations (interpreter only) use an exact-fp32 dot, so they check the dequantization bit for bit;
+# bf16/fp16 errors are the output's own rounding (bf16 eps 2**-8, fp16 2**-11).
+TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 6e-3}
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (37, 64, 96), (16, 32, 32)])
+def test_interp_fwd_dgrad_match_fp64(dtype, m, n, k):
+    tk = _tk()
+    q = _weight(n, k, seed=m + n + k)
+    w64 = F.dequantize(*q, dtype=torch.float64)
+    x = torch.randn(m, k).to(dtype)
+    dy = torch.randn(m, n).to(dtype)
+    y = tk.nvfp4_matmul_fwd(x, *q)
+    dx = tk.nvfp4_matmul_dgrad(dy, *q)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert dx.shape == (m, k) and dx.dtype == dtype
+    assert _rel(y, x.double() @ w64.t()) < TOL[dtype]
+    assert _rel(dx, dy.double() @ w64) < TOL[dtype]
+
+
+@cpu_interp
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT=2),  # split reduction, K/N not multiples of the tile
+        dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, SPLIT=3, GROUP_M=2),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT=1),  # tiles wider than N
+    ],
+)
+def test_interp_tile_configs(cfg):
+    tk = _tk()
+    m, n, k = 33, 48, 80
+    q = _weight(n, k, seed=3)
+    w64 = F.dequantize(*q, dtype=torch.float64)
+    x = torch.randn(m, k)
+    dy = torch.randn(m, n)
+    assert _rel(tk.nvfp4_matmul_fwd(x, *q, config=cfg), x.double() @ w64.t()) < 1e-6
+    assert _rel(tk.nvfp4_matmul_dgrad(dy, *q, config=cfg), dy.double() @ w64) < 1e-6
+
+
+@cpu_interp
+def test_interp_extreme_codes_and_scales():
+    """Every E2M1 code (both signs, -0) and FP8 scales from subnormal to 448 dequantize exactly."""
+    tk = _tk()
+    n, k = 16, 64
+    codes = torch.arange(k).remainder(16).to(torch.uint8).repeat(n, 1)
+    codes = codes.roll(1, dims=1)
+    packed = F.pack_fp4(codes)
+    scale_vals = torch.tensor([2.0**-9, 0.125, 0.75, 1.0, 17.0, 240.0, 448.0, 3.0]).repeat(n * 4 // 8 + 1)
+    scale = scale_vals[: n * 4].reshape(n, 4).to(torch.float8_e4m3fn)
+    gs = torch.tensor([3.7], dtype=torch.float32)
+    w64 = F.dequantize(packed, scale, gs, dtype=torch.float64)
+    x = torch.randn(5, k)
+    assert _rel(tk.nvfp4_matmul_fwd(x, packed, scale, gs), x.double() @ w64.t()) < 1e-6
+    dy = torch.randn(5, n)
+    assert _rel(tk.nvfp4_matmul_dgrad(dy, packed, scale, gs), dy.double() @ w64) < 1e-6
+
+
+def test_bad_shapes_raise_clear_errors():
+    tk = _tk()
+    q = _weight(32, 64)
+    with pytest.raises(ValueError, match="columns"):
+        tk.nvfp4_matmul_fwd(torch.randn(4, 32), *q)
+    with pytest.raises(ValueError, match="weight_scale"):
+        tk.nvfp4_matmul_fwd(torch.randn(4, 64), q.weight_packed, q.weight_scale[:, :2], q.weight_global_scale)
+
+
+def test_backend_registered_and_cpu_keeps_reference():
+    assert any(b.name == "triton" for b in ops._BACKENDS)
+    q = _weight(32, 64)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert ops.active_backend_name(x, q.weight_packed) == "reference"
+    assert _tk().m_bucket(1) == 16 and _tk().m_bucket(65) == 128 and _tk().m_bucket(10**6) == 4096
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+QWEN_SHAPES = {  # (N, K) of Qwen2.5-7B layers
+    "qkv": (4608, 3584),
+    "o": (3584, 3584),
+    "gate_up": (37888, 3584),
+    "down": (3584, 18944),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", list(QWEN_SHAPES))
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 200, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_qwen_shapes(layer, m, dtype):
+    tk = _tk()
+    n, k = QWEN_SHAPES[layer]
+    q = _weight(n, k, device="cuda", seed=m)
+    w = F.dequantize(*q, dtype=torch.float32)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    dy = torch.randn(m, n, device="cuda", dtype=dtype)
+    y = tk.nvfp4_matmul_fwd(x, *q)
+    dx = tk.nvfp4_matmul_dgrad(dy, *q)
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+    tol = 6e-3 if dtype == torch.bfloat16 else 2e-3
+    assert _rel(y, x.float() @ w.t()) < tol
+    assert _rel(dx, dy.float() @ w) < tol
+
+
+@pytest.mark.gpu
+def test_gpu_nvfp4linear_uses_triton_and_grads_match_reference(monkeypatch):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 768, bias=True).to("cuda", torch.bfloat16)
+    mod = NVFP4Linear.from_linear(lin)
+    x = torch.randn(4, 50, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert ops.active_backend_name(x, mod.weight_packed) == "triton"
+    y = mod(x)
+    (y.float() ** 2).sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    monkeypatch.setenv("QERL_NVFP4_BACKEND", "reference")
+    y_ref = mod(x)
+    (y_ref.float() ** 2).sum().backward()
+    assert _rel(y, y_ref) < 6e-3
+    assert _rel(gx, x.grad) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_after_warmup():
+    tk = _tk()
+    q = _weight(1024, 512, device="cuda")
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    tk.nvfp4_matmul_fwd(x, *q), tk.nvfp4_matmul_dgrad(dy, *q)  # autotune outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = tk.nvfp4_matmul_fwd(x, *q)
+        dx = tk.nvfp4_matmul_dgrad(dy, *q)
+    x.copy_(torch.randn_like(x))
+    dy.copy_(torch.randn_like(dy))
+    q.weight_global_scale.mul_(2.0)  # read through a pointer at replay time, not baked in
+    g.replay()
+    torch.cuda.synchronize()
+    w = F.dequantize(*q, dtype=torch.float32)
+    assert _rel(y, x.float() @ w.t()) < 6e-3
+    assert _rel(dx, dy.float() @ w) < 6e-3
