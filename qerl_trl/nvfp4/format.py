@@ -9,10 +9,15 @@ NVFP4 stores a weight ``W [out, in]`` as
 ``dequant = e2m1(code) * scale / global_scale``. This is the compressed-tensors ``nvfp4-pack-quantized``
 layout that vLLM serves, and the rounding here reproduces compressed-tensors bit for bit
 (``tests/test_nvfp4_format.py`` checks that against the library itself).
+
+Matching compressed-tensors means matching its dtypes too: the amax and ``amax / 6`` (block scale) and
+``2688 / amax`` (global scale) run in the *weight's* dtype, so one float32 weight and its bf16 copy can get
+different bytes. We reproduce that for bf16, fp16 and fp32 inputs and refuse other dtypes.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -50,27 +55,60 @@ def check_finite(weight: torch.Tensor, name: str = "weight") -> None:
         )
 
 
-def compute_global_scale(*tensors: torch.Tensor) -> torch.Tensor:
-    """``448 * 6 / amax`` over all ``tensors`` (float32 ``[1]``).
+#: dtypes whose rounding we reproduce exactly (compressed-tensors does part of its math in the weight's dtype)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _common_dtype(tensors: tuple[torch.Tensor, ...], name: str) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"NVFP4 quantizes bf16/fp16/fp32 weights; {name} is {dtype}. Cast it to bfloat16 (or float32) first."
+        )
+    return dtype
+
+
+def compute_global_scale(*tensors: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """``448 * 6 / amax`` over all ``tensors``, as float32 ``[1]``, rounded exactly like compressed-tensors.
 
     Pass several tensors (q/k/v, or gate/up) to give them one shared global scale, which vLLM needs to fuse
-    them. An all-zero input gets global scale 1.0 rather than inf.
+    them. Like llm-compressor's min-max observer + ``generate_gparam``, the amax and the division run in the
+    weights' own dtype (bf16 weights get a bf16-rounded global scale, stored as float32), and a result that is
+    not finite becomes 1.0: an all-zero tensor, and also an fp16 tensor with amax below ~0.041 (2688/amax
+    overflows fp16), which then loses block-scale precision. We warn in that second case; load such models in
+    bf16 or fp32 instead.
     """
-    amax = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    if not tensors:
+        raise ValueError("compute_global_scale needs at least one tensor")
+    dtype = _common_dtype(tensors, name)
+    device = tensors[0].device
+    amax = torch.zeros(1, dtype=dtype, device=device)
     for t in tensors:
-        amax = torch.maximum(amax, t.detach().abs().amax().to(torch.float32))
-    amax = torch.clamp(amax, min=torch.finfo(torch.float32).tiny)
+        if t.numel() == 0:
+            raise ValueError(f"cannot quantize {name}: it is empty (shape {tuple(t.shape)})")
+        amax = torch.maximum(amax, t.detach().abs().amax().to(device=device, dtype=dtype).reshape(1))
+    amax = torch.clamp(amax, min=torch.finfo(dtype).tiny)
+    # The same expression as compressed-tensors: python-float / tensor (torch computes reciprocal() * 2688).
     gs = FP8_E4M3_MAX * FP4_E2M1_MAX / amax
-    gs = torch.where(torch.isfinite(gs), gs, torch.ones_like(gs))
-    return gs.reshape(1).to(torch.float32)
+    if dtype == torch.float16 and bool(torch.isinf(gs).any()) and bool((amax > torch.finfo(dtype).tiny).any()):
+        warnings.warn(
+            f"{name}: fp16 amax {amax.item():.3g} makes 2688/amax overflow fp16, so (as in compressed-tensors) the "
+            "global scale falls back to 1.0 and small block scales lose precision. Load the model in bf16 instead.",
+            stacklevel=2,
+        )
+    gs = torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
+    return gs.to(torch.float32).reshape(1)
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round scaled values to E2M1 codes (uint8 in 0..15), ties as compressed-tensors breaks them.
+    """Round scaled values (already clamped to [-6, 6]) to E2M1 codes (uint8 0..15) as compressed-tensors does.
 
     Thresholds (on |x|): <=0.25 -> 0, <0.75 -> 0.5, <=1.25 -> 1, <1.75 -> 1.5, <=2.5 -> 2, <3.5 -> 3,
-    <=5 -> 4, else 6 (round half to even on the E2M1 grid). The sign bit is set for negative inputs,
-    including those that round to zero (compressed-tensors keeps that -0).
+    <=5 -> 4, else 6 (ties go to the even E2M1 code). The sign bit is set for every ``x < 0``, including values
+    that round to zero (compressed-tensors keeps that -0), but not for an input of -0.0 (``torch.sign(-0.0)``
+    is 0 in its ``cast_to_fp4``, and its Triton kernel tests ``x < 0``).
     """
     a = x.abs()
     code = (
@@ -82,7 +120,7 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
         + (a >= 3.5).to(torch.uint8)
         + (a > 5.0).to(torch.uint8)
     )
-    sign = torch.signbit(x).to(torch.uint8) << 3
+    sign = (x < 0).to(torch.uint8) << 3
     return code | sign
 
 
@@ -96,49 +134,62 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`: ``[..., n/2]`` bytes to ``[..., n]`` codes."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_fp4 takes uint8 packed codes, got {packed.dtype}")
     low = packed & 0x0F
     high = packed >> 4
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
-def _check_shape(weight: torch.Tensor, name: str) -> None:
+def _check_weight(weight: torch.Tensor, name: str) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
     if weight.ndim != 2:
         raise ValueError(f"NVFP4 quantizes 2-D weights; {name} has shape {tuple(weight.shape)}")
-    if weight.shape[1] % BLOCK_SIZE:
+    if weight.shape[1] % BLOCK_SIZE or weight.shape[1] == 0 or weight.shape[0] == 0:
         raise ValueError(
-            f"NVFP4 needs in_features divisible by {BLOCK_SIZE}; {name} has shape {tuple(weight.shape)}. "
-            "Keep this module in 16-bit (modules_to_not_convert)."
+            f"NVFP4 needs a non-empty weight with in_features divisible by {BLOCK_SIZE}; {name} has shape "
+            f"{tuple(weight.shape)}. Keep this module in 16-bit (modules_to_not_convert)."
         )
-    if not weight.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {weight.dtype}")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"NVFP4 quantizes bf16/fp16/fp32 weights; {name} is {weight.dtype}. Cast it to bfloat16 first."
+        )
 
 
 def quantize(
     weight: torch.Tensor, global_scale: torch.Tensor | None = None, name: str = "weight"
 ) -> NVFP4Weight:
-    """Round-to-nearest NVFP4 quantization of a 2-D weight ``[out, in]``.
+    """Round-to-nearest NVFP4 quantization of a 2-D weight ``[out, in]``, bit-identical to compressed-tensors.
 
-    ``global_scale`` shares one per-tensor scale across a group (q/k/v, gate/up); by default it is computed
-    from ``weight`` alone. Works for bf16/fp16/fp32 input on any device; the math runs in float32.
+    ``global_scale`` shares one per-tensor scale across a group (q/k/v, gate/up; make it with
+    :func:`compute_global_scale` over all of them); by default it is computed from ``weight`` alone.
+
+    The steps and their dtypes follow llm-compressor's min-max observer, compressed-tensors'
+    ``calculate_qparams`` and its NVFP4 compressor (checked against both in ``tests/test_nvfp4_format.py``):
+    block amax and ``amax / 6`` in the weight's dtype; ``global * that`` in float32, clamped to +-448 and
+    rounded to FP8-E4M3; a zero block scale replaced by 0.125; then ``x / (scale / global)`` in float32,
+    clamped to +-6 and rounded to E2M1 (:func:`round_to_e2m1`). Non-finite weights raise a ValueError naming
+    ``name``.
     """
-    _check_shape(weight, name)
+    _check_weight(weight, name)
     check_finite(weight, name)
     if global_scale is None:
-        global_scale = compute_global_scale(weight)
-    global_scale = global_scale.to(device=weight.device, dtype=torch.float32).reshape(1)
+        global_scale = compute_global_scale(weight, name=name)
+    global_scale = torch.as_tensor(global_scale).to(device=weight.device, dtype=torch.float32).reshape(1)
+    if not bool(torch.isfinite(global_scale).all()) or not bool((global_scale > 0).all()):
+        raise ValueError(f"global scale for {name} must be finite and positive, got {global_scale.item()}")
     out_f, in_f = weight.shape
-    w = weight.detach().to(torch.float32).reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
-    block_amax = w.abs().amax(dim=-1)
-    scale = global_scale * (block_amax / FP4_E2M1_MAX)
-    scale = torch.clamp(scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    scale = torch.where(
-        scale.to(torch.float32) == 0, torch.tensor(FP8_SCALE_EPS, device=w.device), scale.to(torch.float32)
-    ).to(torch.float8_e4m3fn)
-    eff = scale.to(torch.float32) / global_scale
-    scaled = w / eff.unsqueeze(-1)
+    blocks = weight.detach().reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
+    # block scale: amax/6 rounded in the weight dtype, then global * it in float32, then FP8
+    scale = global_scale * (blocks.abs().amax(dim=-1) / FP4_E2M1_MAX)
+    scale = torch.clamp(scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    scale = torch.where(scale == 0, torch.full_like(scale, FP8_SCALE_EPS), scale)
+    eff = scale / global_scale
+    scaled = blocks.to(torch.float32) / eff.unsqueeze(-1)
     scaled = torch.clamp(scaled, -FP4_E2M1_MAX, FP4_E2M1_MAX)
     codes = round_to_e2m1(scaled).reshape(out_f, in_f)
-    return NVFP4Weight(pack_fp4(codes), scale, global_scale.clone())
+    return NVFP4Weight(pack_fp4(codes), scale.to(torch.float8_e4m3fn), global_scale.clone())
 
 
 def dequantize(
@@ -149,14 +200,44 @@ def dequantize(
 ) -> torch.Tensor:
     """``e2m1(code) * scale / global_scale`` as a dense ``[out, in]`` tensor of ``dtype``.
 
-    Computed in float32 and rounded once to ``dtype``: this is the reference every kernel is checked against.
+    Computed in float32 and rounded once to ``dtype``, as compressed-tensors' decompressor does: this is the
+    reference every kernel is checked against.
     """
+    check_packed(weight_packed, weight_scale, weight_global_scale)
     codes = unpack_fp4(weight_packed)
     out_f, in_f = codes.shape
     vals = e2m1_lut(codes.device)[codes.long()]
     eff = weight_scale.to(torch.float32) / weight_global_scale.to(torch.float32)
     w = vals.reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE) * eff.unsqueeze(-1)
     return w.reshape(out_f, in_f).to(dtype)
+
+
+def check_packed(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, name: str = "weight"
+) -> None:
+    """Raise a clear error unless the three tensors form one NVFP4 weight (dtypes and shapes)."""
+    problems = []
+    if weight_packed.dtype != torch.uint8 or weight_packed.ndim != 2:
+        problems.append(f"weight_packed must be 2-D uint8, got {weight_packed.dtype} {tuple(weight_packed.shape)}")
+    if weight_scale.dtype != torch.float8_e4m3fn or weight_scale.ndim != 2:
+        problems.append(f"weight_scale must be 2-D float8_e4m3fn, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    elif weight_packed.ndim == 2 and tuple(weight_scale.shape) != (
+        weight_packed.shape[0],
+        weight_packed.shape[1] * 2 // BLOCK_SIZE,
+    ):
+        problems.append(
+            f"weight_scale shape {tuple(weight_scale.shape)} does not fit weight_packed {tuple(weight_packed.shape)} "
+            f"(expected [out, in/{BLOCK_SIZE}])"
+        )
+    if weight_packed.ndim == 2 and (weight_packed.shape[1] * 2) % BLOCK_SIZE:
+        problems.append(f"in_features {weight_packed.shape[1] * 2} is not a multiple of {BLOCK_SIZE}")
+    if weight_global_scale.dtype != torch.float32 or weight_global_scale.numel() != 1:
+        problems.append(
+            f"weight_global_scale must be one float32 value, got {weight_global_scale.dtype} "
+            f"{tuple(weight_global_scale.shape)}"
+        )
+    if problems:
+        raise ValueError(f"{name} is not a valid NVFP4 weight: " + "; ".join(problems))
 
 
 def nbytes(q: NVFP4Weight) -> int:
