@@ -58,7 +58,7 @@ class NoiseTarget:
 # Path segments added by wrappers around a transformers model: PEFT (PeftModel.base_model -> LoraModel.model),
 # DDP/DeepSpeed (`module.`), torch.compile (`_orig_mod.`), activation-checkpoint and FSDP wrappers.
 _WRAPPER_PREFIX = re.compile(r"^(?:module\.|_orig_mod\.|base_model\.model\.)+")
-_WRAPPER_SEGMENT = re.compile(r"(?:^|\.)(?:_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)(?=\.)")
+_WRAPPER_SEGMENT = re.compile(r"(^|\.)(?:_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
 
 
 def vllm_param_name(target: NoiseTarget | str) -> str:
@@ -69,7 +69,7 @@ def vllm_param_name(target: NoiseTarget | str) -> str:
     wrapper prefixes (PEFT's ``base_model.model.``, ``module.``, ``_orig_mod.``) are stripped.
     """
     name = target.name if isinstance(target, NoiseTarget) else str(target)
-    name = _WRAPPER_SEGMENT.sub("", name)
+    name = _WRAPPER_SEGMENT.sub(r"\1", name)
     return _WRAPPER_PREFIX.sub("", name)
 
 
@@ -132,7 +132,7 @@ def find_noise_targets(model: nn.Module) -> list[NoiseTarget]:
     Works on a transformers causal LM, with the projections being ``nn.Linear``, ``NVFP4Linear`` or PEFT LoRA
     layers, and through a ``PeftModel``. Runs one 4-token forward (no grad, eval mode, modes restored after).
     Raises :class:`AQNStructureError`, listing what was found, when no decoder layers with norm -> projection
-    structure exist or some layer has none.
+    structure exist, several layer lists have it, or some layer has fewer such norms than the others.
     """
     hidden = _hidden_size(model)
     names = {m: n for n, m in model.named_modules()}
@@ -207,8 +207,9 @@ def find_noise_targets(model: nn.Module) -> list[NoiseTarget]:
     found_lists = []
     report = []
     for list_name, mod, per_layer in layer_lists:
+        desc_by_layer: list[str] = []
         targets: list[NoiseTarget] = []
-        missing = []
+        per_layer_count = []
         for idx, (layer, cands) in enumerate(zip(mod, per_layer)):
             layer_prefix = names[layer] + "."
             layer_targets = []
@@ -220,11 +221,14 @@ def find_noise_targets(model: nn.Module) -> list[NoiseTarget]:
                 desc.append(f"{names[norm]} -> {list(feeds) or 'no projection'}")
                 if feeds:
                     layer_targets.append(NoiseTarget(names[norm] + ".weight", norm, idx, feeds))
-            if not layer_targets:
-                missing.append(idx)
+            per_layer_count.append(len(layer_targets))
             targets.extend(layer_targets)
-            if idx < 2:
-                report.append(f"  {list_name}[{idx}]: " + ("; ".join(desc) or "no norm-like modules"))
+            desc_by_layer.append(f"  {list_name}[{idx}]: " + ("; ".join(desc) or "no norm-like modules"))
+        # Every layer must show the same structure (a layer whose q/k/v norm was not found would silently get
+        # only half the noise).
+        missing = [i for i, c in enumerate(per_layer_count) if c < max(per_layer_count)]
+        shown = sorted(set([0, 1] + missing[:4]))
+        report.extend(desc_by_layer[i] for i in shown if i < len(desc_by_layer))
         if targets:
             found_lists.append((list_name, targets, missing))
     if len(found_lists) == 1 and not found_lists[0][2]:
@@ -235,9 +239,12 @@ def find_noise_targets(model: nn.Module) -> list[NoiseTarget]:
     elif len(found_lists) > 1:
         problem = f"several layer lists have norm -> projection structure: {[f[0] for f in found_lists]}"
     else:
-        problem = f"layers {found_lists[0][2]} of {found_lists[0][0]} have no norm feeding a projection"
+        problem = (
+            f"layers {found_lists[0][2]} of {found_lists[0][0]} have fewer norms feeding projections than the "
+            "other layers"
+        )
     raise AQNStructureError(
         f"AQN could not find its noise targets in {type(model).__name__}: {problem}. What was found "
-        f"(first layers of each list; hidden={hidden}):\n{found}\nAQN needs every decoder layer to have a "
+        f"(hidden={hidden}):\n{found}\nAQN needs every decoder layer to have a "
         "bias-free norm whose output feeds the layer's input projections (q/k/v, gate/up)."
     )
