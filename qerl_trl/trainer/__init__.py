@@ -1,0 +1,6 @@
+"""QeRL's GRPO trainer: `QeRLGRPOConfig` / `QeRLGRPOTrainer` (vLLM internals live in `vllm_lora`, imported lazily)."""
+
+from .config import QeRLGRPOConfig
+from .grpo_trainer import SUPPORTED_ARCHITECTURES, QeRLGRPOTrainer
+
+__all__ = ["QeRLGRPOConfig", "QeRLGRPOTrainer", "SUPPORTED_ARCHITECTURES"]

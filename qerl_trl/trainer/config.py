@@ -1,0 +1,149 @@
+"""`QeRLGRPOConfig`: TRL's `GRPOConfig` plus the QeRL options (NVFP4 base, default LoRA, AQN, vLLM LoRA serving).
+
+Every field is a dataclass field with ``metadata["help"]`` so `TrlParser` / `HfArgumentParser` turn it into a
+command-line flag, exactly like TRL's own configs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+__all__ = ["QeRLGRPOConfig", "default_cache_dir"]
+
+
+def default_cache_dir() -> str:
+    """Where NVFP4 checkpoints written for vLLM live: ``$QERL_TRL_CACHE`` or ``$HF_HOME/qerl_trl/nvfp4``."""
+    if os.environ.get("QERL_TRL_CACHE"):
+        return os.path.join(os.environ["QERL_TRL_CACHE"], "nvfp4")
+    hf_home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    return os.path.join(hf_home, "qerl_trl", "nvfp4")
+
+
+@dataclass
+class QeRLGRPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`QeRLGRPOTrainer`]: every [`trl.GRPOConfig`] parameter (all GRPO/DAPO/Dr.GRPO loss types,
+    vLLM colocate options, logging, checkpointing) plus the QeRL parameters below.
+
+    Parameters:
+        > NVFP4 base model
+
+        nvfp4_modules_to_not_convert (`list[str]`, *optional*):
+            Module names (or name suffixes) kept in 16 bits when a 16-bit checkpoint is quantized on load. The
+            embeddings, `lm_head` and norms always stay 16-bit.
+        nvfp4_cache_dir (`str`, *optional*):
+            Directory for the NVFP4A16 checkpoint written once for vLLM when the model was given as a 16-bit
+            checkpoint. Defaults to `$QERL_TRL_CACHE/nvfp4` or `$HF_HOME/qerl_trl/nvfp4`.
+
+        > Default LoRA (used only when no `peft_config` is passed to the trainer)
+
+        lora_r (`int`, defaults to `32`): LoRA rank (QeRL paper, Table 4).
+        lora_alpha (`int`, defaults to `64`): LoRA scaling numerator (scale = alpha / r).
+        lora_dropout (`float`, defaults to `0.0`): LoRA dropout (0 keeps rollout and training forward identical).
+        lora_target_modules (`list[str]` or `str`, defaults to `"all-linear"`): the Linear layers that get LoRA.
+
+        > Adaptive Quantization Noise (paper §3.3)
+
+        aqn (`bool`, defaults to `True`): add scheduled channel-wise noise to the RMSNorm weights of the rollouts.
+        aqn_sigma_start (`float`, defaults to `1e-2`): σ of the first noisy stage.
+        aqn_sigma_end (`float`, defaults to `5e-4`): σ of the last stage (geometric decay in between).
+        aqn_num_stages (`int`, defaults to `10`): number of equal stages K; stage 0 adds no noise.
+        aqn_apply_to (`str`, defaults to `"rollout"`): `"rollout"` (paper) or `"rollout_and_policy"`.
+
+        > vLLM LoRA serving (colocate mode)
+
+        vllm_max_lora_rank (`int`, *optional*):
+            vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320,
+            512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is served padded to it (logged).
+        vllm_enforce_eager (`bool`, defaults to `False`): run vLLM without torch.compile / CUDA graphs.
+        vllm_lora_sync_dir (`str`, defaults to `"/dev/shm"`):
+            RAM-backed directory through which each round's adapter is handed to vLLM (deleted right after the
+            load; never persistent disk).
+
+    > [!NOTE]
+    > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
+    """
+
+    learning_rate: float = field(
+        default=1e-5,
+        metadata={"help": "The initial learning rate for AdamW (QeRL: 1e-5 for the LoRA on the NVFP4 base)."},
+    )
+
+    # NVFP4
+    nvfp4_modules_to_not_convert: list[str] | None = field(
+        default=None,
+        metadata={"help": "Module names (or suffixes) kept 16-bit when a 16-bit checkpoint is quantized on load."},
+    )
+    nvfp4_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory for the NVFP4A16 checkpoint written once for vLLM from a 16-bit model. "
+            "Defaults to $QERL_TRL_CACHE/nvfp4 or $HF_HOME/qerl_trl/nvfp4."
+        },
+    )
+
+    # Default LoRA
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank used when no peft_config is given (paper: 32)."})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha used when no peft_config is given."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout used when no peft_config is given."})
+    lora_target_modules: list[str] | str = field(
+        default="all-linear",
+        metadata={"help": "Modules that get LoRA when no peft_config is given (default: every Linear layer)."},
+    )
+
+    # AQN
+    aqn: bool = field(default=True, metadata={"help": "Enable Adaptive Quantization Noise on the rollouts."})
+    aqn_sigma_start: float = field(default=1e-2, metadata={"help": "AQN σ of the first noisy stage."})
+    aqn_sigma_end: float = field(default=5e-4, metadata={"help": "AQN σ of the last stage."})
+    aqn_num_stages: int = field(default=10, metadata={"help": "AQN number of equal stages (stage 0: no noise)."})
+    aqn_apply_to: str = field(
+        default="rollout",
+        metadata={"help": "Where AQN noise goes.", "choices": ["rollout", "rollout_and_policy"]},
+    )
+
+    # vLLM LoRA serving
+    vllm_max_lora_rank: int | None = field(
+        default=None,
+        metadata={"help": "vLLM max_lora_rank; default: smallest allowed rank >= the LoRA rank."},
+    )
+    vllm_enforce_eager: bool = field(
+        default=False, metadata={"help": "Run the colocated vLLM engine without torch.compile / CUDA graphs."}
+    )
+    vllm_lora_sync_dir: str = field(
+        default="/dev/shm",
+        metadata={"help": "RAM-backed directory used to hand each round's adapter to vLLM (files removed at once)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.aqn_apply_to not in ("rollout", "rollout_and_policy"):
+            raise ValueError(
+                f"aqn_apply_to must be 'rollout' or 'rollout_and_policy', got {self.aqn_apply_to!r}."
+            )
+        if self.lora_r < 1:
+            raise ValueError(f"lora_r must be >= 1, got {self.lora_r}.")
+        if self.use_vllm and self.vllm_mode != "colocate":
+            raise ValueError(
+                f"QeRLGRPOTrainer serves the LoRA on the FP4 base in vLLM colocate mode only; got "
+                f"vllm_mode={self.vllm_mode!r}. Set vllm_mode='colocate' (or use_vllm=False)."
+            )
+
+    def default_lora_config(self):
+        """The `peft.LoraConfig` used when the trainer gets no `peft_config`."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=self.lora_target_modules,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+
+    @property
+    def resolved_cache_dir(self) -> str:
+        return self.nvfp4_cache_dir or default_cache_dir()

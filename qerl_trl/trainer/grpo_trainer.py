@@ -1,0 +1,323 @@
+"""`QeRLGRPOTrainer`: TRL's `GRPOTrainer` on an NVFP4 base with a BF16 LoRA, AQN, and vLLM rollouts on FP4.
+
+Overrides (TRL 1.16):
+
+* ``__init__``: loads a model id/path through ``NVFP4Config`` (a 16-bit checkpoint is quantized on load, an
+  NVFP4A16 one loads packed), applies the default LoRA when no ``peft_config`` is given, checks the LoRA can be
+  served by vLLM, prepares the NVFP4A16 checkpoint vLLM serves, and lets ``GRPOTrainer.__init__`` build its vLLM
+  backend as ``QeRLVLLMGeneration`` (see ``vllm_lora``), so only one engine is built.
+* ``_generate``: once per generation round, draws the round's AQN noise, pushes LoRA + noised norms to vLLM
+  (or applies the noise to the HF model when generating without vLLM), generates with TRL's code, restores the
+  clean norms and logs ``aqn/sigma``, ``aqn/stage``, rollout tokens/s, LoRA sync seconds and peak GPU memory.
+
+Everything else (loss types, rewards, importance-sampling correction, logging, checkpoint/resume) is TRL's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PreTrainedModel
+from trl import GRPOTrainer
+
+from ..nvfp4 import NVFP4Linear
+from .config import QeRLGRPOConfig
+from .nvfp4_cache import checkpoint_key, ensure_cached_checkpoint, is_nvfp4a16_config
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["QeRLGRPOTrainer", "SUPPORTED_ARCHITECTURES"]
+
+#: Dense decoder families the NVFP4 quantizer, AQN's structure search and vLLM's LoRA path are tested on.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+def check_architecture(config: Any) -> str:
+    """Return the architecture name, or raise a clear error naming an unsupported one."""
+    archs = list(getattr(config, "architectures", None) or [])
+    arch = archs[0] if archs else type(config).__name__
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"QeRLGRPOTrainer does not support the architecture {arch!r}. Supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (dense decoder-only models)."
+        )
+    return arch
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _nvfp4_fingerprint(model: nn.Module, n_layers: int = 4, n_bytes: int = 4096) -> str:
+    """Cheap content hash of a few packed FP4 weights (tells two instances with the same name apart)."""
+    h = hashlib.sha256()
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, NVFP4Linear):
+            packed = module.weight_packed.detach().reshape(-1)[:n_bytes].cpu()
+            h.update(name.encode())
+            h.update(str(tuple(module.weight_packed.shape)).encode())
+            h.update(packed.numpy().tobytes())
+            h.update(module.weight_global_scale.detach().float().cpu().numpy().tobytes())
+            count += 1
+            if count >= n_layers:
+                break
+    return h.hexdigest()[:16]
+
+
+class QeRLGRPOTrainer(GRPOTrainer):
+    """Drop-in `GRPOTrainer` for QeRL: NVFP4 base + BF16 LoRA + AQN, vLLM colocate rollouts on the FP4 weights.
+
+    Args: those of [`trl.GRPOTrainer`]; ``model`` is a model id/path (loaded through ``NVFP4Config``) or an
+    already-NVFP4 ``PreTrainedModel`` (e.g. loaded with ``quantization_config=NVFP4Config()``), ``args`` a
+    [`QeRLGRPOConfig`]. Passing ``quantization_config`` is an error: the quantization options live in the config.
+    """
+
+    _tag_names = ["trl", "grpo", "qerl"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs=None,
+        args: QeRLGRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        **kwargs,
+    ):
+        from peft import PeftModel
+
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = QeRLGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-QeRL-GRPO")
+        if not isinstance(args, QeRLGRPOConfig):
+            raise TypeError(
+                f"QeRLGRPOTrainer needs a QeRLGRPOConfig, got {type(args).__name__}. Replace GRPOConfig(...) by "
+                "QeRLGRPOConfig(...) (same arguments)."
+            )
+        if quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {}):
+            raise ValueError(
+                "QeRLGRPOTrainer always loads the base through NVFP4Config; do not pass quantization_config. "
+                "Set the NVFP4 options (e.g. nvfp4_modules_to_not_convert) on QeRLGRPOConfig."
+            )
+        if args.use_vllm:
+            from .vllm_lora import require_vllm
+
+            require_vllm()
+
+        source = model if isinstance(model, str) else None
+        source_is_nvfp4 = False
+        if isinstance(model, str):
+            from transformers.trainer_utils import set_seed
+
+            set_seed(args.seed)
+            model, source_is_nvfp4 = self._load_nvfp4_model(model, args)
+        self._check_policy(model)
+
+        if processing_class is None:
+            from transformers import AutoProcessor
+
+            processing_class = AutoProcessor.from_pretrained(
+                source or model.config._name_or_path,
+                revision=(args.model_init_kwargs or {}).get("revision"),
+                truncation_side="left",
+                padding_side="left",
+                trust_remote_code=args.trust_remote_code,
+            )
+
+        if peft_config is None and not isinstance(model, PeftModel):
+            peft_config = args.default_lora_config()
+
+        # AQN (its targets are found on the base model, before PEFT wraps it)
+        self.aqn = None
+        if args.aqn:
+            from ..aqn import AQNCallback, AQNSchedule, find_noise_targets, vllm_param_name
+
+            schedule = AQNSchedule(args.aqn_sigma_start, args.aqn_sigma_end, args.aqn_num_stages)
+            self.aqn = AQNCallback(schedule, seed=args.seed, apply_to=args.aqn_apply_to)
+            callbacks = [*(callbacks or []), self.aqn]
+
+        swap = None
+        if args.use_vllm:
+            from .vllm_lora import (
+                VLLMServingSpec,
+                check_lora_config_for_vllm,
+                make_qerl_vllm_generation_class,
+                swap_trl_vllm_generation,
+                vllm_max_lora_rank,
+            )
+
+            lora_cfg = peft_config if peft_config is not None else model.peft_config["default"]
+            rank = check_lora_config_for_vllm(lora_cfg)
+            max_rank = vllm_max_lora_rank(rank, args.vllm_max_lora_rank)
+            checkpoint = self._vllm_checkpoint(model, source, source_is_nvfp4, processing_class, args)
+            norm_names = []
+            if self.aqn is not None:
+                norm_names = [vllm_param_name(t) for t in find_noise_targets(model)]
+            spec = VLLMServingSpec(
+                checkpoint=checkpoint,
+                tokenizer=checkpoint,
+                max_lora_rank=max_rank,
+                fp32_norm_names=norm_names,
+                enforce_eager=args.vllm_enforce_eager,
+                lora_sync_dir=args.vllm_lora_sync_dir,
+            )
+            cls = make_qerl_vllm_generation_class()
+            swap = swap_trl_vllm_generation(lambda *a, **kw: cls(*a, serving=spec, **kw))
+
+        if swap is None:
+            super().__init__(
+                model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                reward_processing_classes, callbacks, optimizers, None, peft_config, **kwargs,
+            )  # fmt: skip
+        else:
+            with swap:
+                super().__init__(
+                    model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                    reward_processing_classes, callbacks, optimizers, None, peft_config, **kwargs,
+                )  # fmt: skip
+        if args.use_vllm and not args.vllm_importance_sampling_correction:
+            logger.warning(
+                "vllm_importance_sampling_correction=False: the FP4+AQN rollout policy differs from the trained "
+                "policy; QeRL keeps TRL's importance-sampling correction on."
+            )
+
+    # -- model loading ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _load_nvfp4_model(model_id: str, args: QeRLGRPOConfig) -> tuple[PreTrainedModel, bool]:
+        """Load ``model_id`` with its Linears as NVFP4Linear; return ``(model, checkpoint_is_nvfp4a16)``."""
+        from transformers import AutoModelForCausalLM
+
+        from ..quantizer import NVFP4Config
+
+        kwargs = dict(args.model_init_kwargs or {})
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        kwargs.setdefault("dtype", torch.bfloat16)
+        if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+            kwargs["device_map"] = None
+        config = AutoConfig.from_pretrained(
+            model_id, revision=kwargs.get("revision"), trust_remote_code=kwargs["trust_remote_code"]
+        )
+        check_architecture(config)
+        qc = getattr(config, "quantization_config", None)
+        qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
+        is_nvfp4 = is_nvfp4a16_config({"quantization_config": qc})
+        if qc is not None and not is_nvfp4:
+            raise ValueError(
+                f"{model_id} is already quantized ({qc.get('quant_method')}, format {qc.get('format')}); QeRL needs "
+                "a 16-bit checkpoint (quantized to NVFP4 on load) or a compressed-tensors NVFP4A16 one."
+            )
+        quant = NVFP4Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert)
+        if is_nvfp4:
+            import qerl_trl
+
+            load = getattr(qerl_trl, "load_nvfp4", None)
+            if load is not None:
+                return load(model_id, **kwargs), True
+        return AutoModelForCausalLM.from_pretrained(model_id, quantization_config=quant, **kwargs), is_nvfp4
+
+    @staticmethod
+    def _check_policy(model: nn.Module) -> None:
+        check_architecture(_base_model(model).config)
+        if not any(isinstance(m, NVFP4Linear) for m in model.modules()):
+            raise ValueError(
+                "The model has no NVFP4 layers. Pass a model id/path to QeRLGRPOTrainer (it quantizes on load), or "
+                "load it with AutoModelForCausalLM.from_pretrained(..., quantization_config=qerl_trl.NVFP4Config())."
+            )
+
+    def _vllm_checkpoint(self, model, source, source_is_nvfp4, processing_class, args) -> str:
+        """The NVFP4A16 checkpoint vLLM serves: the user's own, or one written once into the cache dir."""
+        if source is not None and source_is_nvfp4:
+            return source
+        base = _base_model(model)
+        name = source or getattr(base.config, "_name_or_path", "") or type(base).__name__
+        qc = getattr(base.config, "quantization_config", None)
+        identity = {
+            "name": name,
+            "revision": (args.model_init_kwargs or {}).get("revision"),
+            "commit": getattr(base.config, "_commit_hash", None),
+            "fingerprint": _nvfp4_fingerprint(base),
+        }
+        options = {
+            "quantization_config": qc.to_dict() if hasattr(qc, "to_dict") else qc,
+            "modules_to_not_convert": args.nvfp4_modules_to_not_convert,
+        }
+        key = checkpoint_key(identity, options)
+        from peft import PeftModel
+
+        if isinstance(model, PeftModel):
+            raise ValueError(
+                "With use_vllm=True, pass the NVFP4 base model (not a PeftModel) and the LoRA as peft_config, so the "
+                "base checkpoint vLLM serves can be written without adapter layers."
+            )
+
+        def write(tmp: str) -> None:
+            base.save_pretrained(tmp)
+            processing_class.save_pretrained(tmp)
+
+        from accelerate import PartialState
+
+        state = PartialState()
+        with state.local_main_process_first():
+            path, written = ensure_cached_checkpoint(args.resolved_cache_dir, name, key, write)
+        with open(os.path.join(path, "config.json")) as f:
+            import json
+
+            if not is_nvfp4a16_config(json.load(f)):
+                raise RuntimeError(
+                    f"The checkpoint written to {path} is not a compressed-tensors NVFP4A16 checkpoint; the model's "
+                    "save_pretrained must come from qerl_trl's NVFP4 quantizer."
+                )
+        logger.info("vLLM serves the NVFP4A16 checkpoint %s (%s)", path, "written now" if written else "cached")
+        return path
+
+    # -- generation ---------------------------------------------------------------------------------------------
+
+    def _generate(self, prompts: list):
+        mode = "train" if self.model.training else "eval"
+        model = self.model
+        rollout_norms = None
+        if self.aqn is not None:
+            if mode == "train":
+                rollout_norms = self.aqn.begin_rollout(model, self.state, hf_generation=not self.use_vllm)
+            else:  # evaluation rollouts are noise-free
+                self.aqn.restore()
+                rollout_norms = self.aqn.clean_weights(model) if self.use_vllm else None
+        try:
+            if self.use_vllm:
+                self.vllm_generation.pending_norms = rollout_norms
+                self.vllm_generation.sync_weights()
+                self._last_loaded_step = self.state.global_step
+                self._metrics[mode]["qerl/lora_sync_seconds"].append(self.vllm_generation.last_sync_seconds)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = super()._generate(prompts)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        finally:
+            if self.aqn is not None and mode == "train":
+                self.aqn.end_rollout(model)
+        completion_ids = out[1]
+        n_tokens = sum(len(c) for c in completion_ids)
+        self._metrics[mode]["qerl/rollout_tokens_per_s"].append(n_tokens / max(seconds, 1e-9))
+        if self.aqn is not None and mode == "train":
+            for k, v in self.aqn.metrics(self.state).items():
+                self._metrics[mode][k].append(v)
+        if torch.cuda.is_available():
+            self._metrics[mode]["qerl/peak_gpu_memory_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
+        return out
