@@ -1,0 +1,153 @@
+"""Training-pass NVFP4 matmuls on Qwen2.5-7B/32B layer shapes: BF16 cuBLAS vs naive dequantize+matmul vs Triton.
+
+    python benchmarks/train_matmul.py [--out-dir benchmarks/results] [--tokens 16 64 256 2048 8192]
+
+Forward ``y = x @ Wᵀ`` and input gradient ``dx = dy @ W`` per layer; times are medians of
+``triton.testing.do_bench`` (CUDA events, warm-up, L2 flushed before every repeat) with weights rotated over
+several copies. Writes ``<out-dir>/train_matmul-<gpu>.json`` rows ``{layer, tokens, pass, bf16_ms, naive_ms,
+nvfp4_ms}`` (plus the ratio, the kernel's error against the fp32 reference and its tuned config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from qerl_trl.nvfp4 import format as F  # noqa: E402
+from qerl_trl.nvfp4 import ops  # noqa: E402
+from qerl_trl.nvfp4 import triton_kernels as tk  # noqa: E402
+
+SHAPES = {  # layer -> (N = out_features, K = in_features)
+    "qwen2.5-7b.qkv": (3584 + 2 * 512, 3584),
+    "qwen2.5-7b.o": (3584, 3584),
+    "qwen2.5-7b.gate_up": (2 * 18944, 3584),
+    "qwen2.5-7b.down": (3584, 18944),
+    "qwen2.5-32b.qkv": (5120 + 2 * 1024, 5120),
+    "qwen2.5-32b.o": (5120, 5120),
+    "qwen2.5-32b.gate_up": (2 * 27648, 5120),
+    "qwen2.5-32b.down": (5120, 27648),
+}
+
+
+def gpu_tag() -> str:
+    """'h100', 'h200', ... from the device name (the results file's suffix)."""
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100", "h20", "b200", "gb200", "a100", "l40s", "l4", "a10g", "rtx"):
+        if tag in name:
+            return tag
+    return name.replace("nvidia", "").strip().replace(" ", "-")
+
+
+def _own_envelope(benchmark: str, rows: list, command: str) -> dict:
+    """The results envelope (used while benchmarks/_common.py is not there)."""
+    import platform
+    import subprocess
+
+    import transformers
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "benchmark": benchmark,
+        "gpu": gpu_tag(),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                     "transformers": transformers.__version__, "cuda": torch.version.cuda,
+                     "python": platform.python_version(), "device": torch.cuda.get_device_name()},
+        "commit": commit or os.environ.get("QERL_COMMIT", "unknown"),
+        "command": command,
+        "rows": rows,
+    }
+
+
+def result_envelope(benchmark: str, rows: list, command: str) -> dict:
+    try:
+        from benchmarks._common import result_envelope as shared
+    except ImportError:
+        return _own_envelope(benchmark, rows, command)
+    return shared(benchmark, rows, command)
+
+
+def bench(fns, warmup=25, rep=100):
+    """Median ms over calls that cycle through ``fns`` (one per weight copy)."""
+    import triton
+
+    it = [0]
+
+    def call():
+        f = fns[it[0] % len(fns)]
+        it[0] += 1
+        return f()
+
+    return triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 2048, 8192])
+    ap.add_argument("--layers", nargs="+", default=list(SHAPES))
+    args = ap.parse_args()
+    dev = "cuda"
+    torch.manual_seed(0)
+    rows = []
+    for layer in args.layers:
+        n, k = SHAPES[layer]
+        w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+        q = F.quantize(w)
+        fp4_bytes = F.nbytes(q)
+        copies = max(2, min(8, math.ceil(200e6 / fp4_bytes)))  # > L2 of rotated fp4 weights
+        qs = [tuple(t.clone() for t in q) for _ in range(copies)]
+        ws = [w.clone() for _ in range(copies)]
+        w_ref = F.dequantize(*q, dtype=torch.float32)
+        del w
+        for m in args.tokens:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+            for pas in ("fwd", "dgrad"):
+                a = x if pas == "fwd" else dy
+                ours = tk.nvfp4_matmul_fwd if pas == "fwd" else tk.nvfp4_matmul_dgrad
+                naive = ops.reference_forward if pas == "fwd" else ops.reference_dgrad
+                out = ours(a, *q)  # autotunes this (M bucket, N, K) once
+                ref = a.float() @ (w_ref.t() if pas == "fwd" else w_ref)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                del out, ref
+                if pas == "fwd":
+                    t_bf16 = bench([lambda W=W: a @ W.t() for W in ws])
+                else:
+                    t_bf16 = bench([lambda W=W: a @ W for W in ws])
+                t_naive = bench([lambda Q=Q: naive(a, *Q) for Q in qs])
+                t_ours = bench([lambda Q=Q: ours(a, *Q) for Q in qs])
+                kern = (tk._fwd_small if m <= 64 else tk._fwd_large) if pas == "fwd" else (
+                    tk._dgrad_small if m <= 64 else tk._dgrad_large)
+                cfg = getattr(kern, "best_config", None)
+                row = dict(layer=layer, tokens=m, **{"pass": pas}, bf16_ms=round(t_bf16, 5),
+                           naive_ms=round(t_naive, 5), nvfp4_ms=round(t_ours, 5),
+                           nvfp4_vs_bf16=round(t_ours / t_bf16, 3), naive_vs_bf16=round(t_naive / t_bf16, 3),
+                           rel_err=float(f"{err:.3g}"), N=n, K=k, config=str(cfg) if cfg else None)
+                rows.append(row)
+                print(f"{layer:22s} M={m:5d} {pas:5s} bf16 {t_bf16:8.4f}  naive {t_naive:8.4f}  ours {t_ours:8.4f} "
+                      f"({t_ours / t_bf16:5.2f}x)  err {err:.1e}  {cfg}", flush=True)
+            del x, dy
+        del qs, ws, w_ref, q
+        torch.cuda.empty_cache()
+    env = result_envelope("train_matmul", rows, "python " + " ".join(sys.argv))
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, f"train_matmul-{gpu_tag()}.json")
+    with open(path, "w") as f:
+        json.dump(env, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
