@@ -15,6 +15,7 @@ from .nvfp4 import NVFP4Linear  # noqa: E402
 
 _LAZY = {
     "NVFP4Config": "qerl_trl.quantizer",
+    "load_nvfp4": "qerl_trl.quantizer",
     "AQNSchedule": "qerl_trl.aqn",
     "AQNCallback": "qerl_trl.aqn",
     "QeRLGRPOConfig": "qerl_trl.trainer",

@@ -1,0 +1,189 @@
+"""``NVFP4HfQuantizer``: the transformers lifecycle for ``NVFP4Config`` (what happens when, during from_pretrained).
+
+* before weights load: swap the planned ``nn.Linear`` modules (meta) for ``NVFP4Linear``;
+* 16-bit checkpoint: each ``<linear>.weight`` streams through :class:`NVFP4Quantize` (transformers loads
+  on-the-fly-quantized checkpoints one tensor at a time, synchronously), which quantizes a fused group as soon as
+  its last member arrives (see ``conversion.GroupQuantizer``);
+* NVFP4A16 checkpoint (``pre_quantized``): the packed tensors load as they are;
+* after loading: freeze the NVFP4 tensors and make ``model.config.quantization_config`` the compressed-tensors
+  NVFP4A16 dict, so ``save_pretrained`` writes a checkpoint vLLM serves directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers.base import HfQuantizer
+
+from ..nvfp4 import NVFP4Linear
+from . import compat
+from .checkpoint import compressed_tensors_config, packed_modules
+from .config import NVFP4Config
+from .conversion import ConversionPlan, GroupQuantizer, freeze_nvfp4, plan_conversion, replace_linears
+
+logger = logging.getLogger(__name__)
+
+#: bytes per quantized weight element: 4-bit code + one FP8 scale per 16 (the global scale is negligible)
+NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16
+
+
+class NVFP4Quantize(ConversionOps):
+    """Quantize-on-load op: receives ``{"<linear>.weight": [tensor]}``, returns the NVFP4 tensors of every member
+    of the fused group once the group is complete (an empty dict until then)."""
+
+    def __init__(self, hf_quantizer: "NVFP4HfQuantizer") -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict[str, Any], source_patterns=None, target_patterns=None, **kwargs):
+        hq = self.hf_quantizer
+        model = kwargs.get("model")
+        missing_keys = kwargs.get("missing_keys")
+        out: dict[str, torch.Tensor] = {}
+        for key, value in input_dict.items():
+            tensor = value[0] if isinstance(value, list) else value
+            name = key[: -len(".weight")]
+            for member, q in hq.group_quantizer.add(name, tensor).items():
+                module = model.get_submodule(member) if model is not None else None
+                if module is not None:  # the placeholder has done its job: the checkpoint tensor was routed here
+                    module._parameters.pop("weight", None)
+                if missing_keys is not None:
+                    missing_keys.discard(member + ".weight")
+                for attr, t in q._asdict().items():
+                    out[f"{member}.{attr}"] = nn.Parameter(t, requires_grad=False)
+            del tensor
+        return out
+
+
+class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
+    """Lifecycle of :class:`NVFP4Config` inside ``PreTrainedModel.from_pretrained``."""
+
+    requires_calibration = False
+    quantization_config: NVFP4Config
+
+    def __init__(self, quantization_config: NVFP4Config, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self.plan: ConversionPlan | None = None
+        self.group_quantizer: GroupQuantizer | None = None
+        self.dtype: torch.dtype = torch.bfloat16
+
+    # ------------------------------------------------------------------ before loading
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        device_map = kwargs.get("device_map")
+        if not self.pre_quantized and isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError(
+                "NVFP4Config cannot quantize on load into disk-offloaded modules; use a device_map without 'disk'."
+            )
+
+    def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        if dtype is None or dtype == torch.float32:
+            logger.info("NVFP4Config: loading the 16-bit parts in bfloat16 (pass dtype=torch.float16 to change)")
+            return torch.bfloat16
+        return dtype
+
+    def preprocess_model(self, model, dtype=None, **kwargs):
+        self.dtype = dtype or self.dtype  # transformers passes dtype here but not to the hook below
+        return super().preprocess_model(model, dtype=dtype, **kwargs)
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        cfg = self.quantization_config
+        only = None
+        skip = list(cfg.modules_to_not_convert or [])
+        skip += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        if self.pre_quantized:
+            only = packed_modules(checkpoint_files)
+            if only is None:  # no safetensors headers to read: trust the checkpoint's ignore list
+                skip += list(cfg.checkpoint_ignore or [])
+            else:
+                only = {n for n, _ in model.named_modules() if n in only or any(k.endswith("." + n) for k in only)}
+        self.plan = plan_conversion(model, skip, cfg.fused_groups, only=only)
+        self.group_quantizer = GroupQuantizer(self.plan)
+        replace_linears(model, self.plan, self.dtype, placeholder=not self.pre_quantized)
+        logger.info(
+            "NVFP4: %d Linear layers %s, %d kept 16-bit (%s)",
+            len(self.plan.groups), "loaded packed" if self.pre_quantized else "quantized on load",
+            len(self.plan.kept), ", ".join(self.plan.kept[:4]) + (" ..." if len(self.plan.kept) > 4 else ""),
+        )
+        return model
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs: Any) -> bool:
+        if self.pre_quantized or self.plan is None:
+            return False
+        module_name, _, tensor_name = param_name.rpartition(".")
+        return tensor_name == "weight" and module_name in self.plan.groups
+
+    def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
+        if self.param_needs_quantization(model, param_name):
+            return NVFP4_BYTES_PER_WEIGHT
+        return param.element_size()
+
+    def get_quantize_ops(self) -> NVFP4Quantize:
+        return NVFP4Quantize(self)
+
+    # ------------------------------------------------------------------ after loading
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        unfinished = self.group_quantizer.unfinished() if self.group_quantizer else {}
+        if unfinished:
+            group, missing = next(iter(unfinished.items()))
+            raise ValueError(
+                f"the checkpoint lacks {[m + '.weight' for m in missing]}, so the fused group {list(group)} could "
+                "not get its shared NVFP4 global scale. Is the checkpoint complete?"
+            )
+        self.group_quantizer = None
+        for name in self.plan.groups:
+            module = model.get_submodule(name)
+            module._parameters.pop("weight", None)
+            meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+            if meta:
+                raise ValueError(f"NVFP4: {name} was not loaded ({meta} missing from the checkpoint)")
+        freeze_nvfp4(model)
+        if self.pre_quantized:
+            self._warn_unshared_scales(model)
+        model.config.quantization_config = compressed_tensors_config(self.plan.kept)
+        return model
+
+    def _warn_unshared_scales(self, model) -> None:
+        seen = set()
+        for group in self.plan.groups.values():
+            if len(group) < 2 or group in seen:
+                continue
+            seen.add(group)
+            scales = {model.get_submodule(n).weight_global_scale.item() for n in group}
+            if len(scales) > 1:
+                logger.warning("NVFP4: %s have different global scales; vLLM fuses them with one.", list(group))
+
+    def _dequantize(self, model, dtype=None):
+        """Replace every NVFP4Linear by an nn.Linear holding its dequantized weight (lossless w.r.t. Ŵ)."""
+        dtype = dtype or self.dtype
+        for name, module in list(model.named_modules()):
+            if isinstance(module, NVFP4Linear):
+                lin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                device=module.weight_packed.device, dtype=dtype)
+                with torch.no_grad():
+                    lin.weight.copy_(module.dequantize(dtype))
+                    if module.bias is not None:
+                        lin.bias.copy_(module.bias)
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, lin)
+        return model
+
+    # ------------------------------------------------------------------ capabilities
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        # adapters (PEFT LoRA) on top of the frozen NVFP4 base
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        # the packed base itself has no gradients: training needs an adapter
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
