@@ -1,0 +1,172 @@
+"""CPU tests of the pure parts of qerl_trl.trainer.vllm_lora (vLLM itself is exercised on the GPU machine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+
+from qerl_trl.trainer import vllm_lora as vl
+from tests.conftest import tiny_model
+
+
+def test_require_vllm_messages():
+    with pytest.raises(ImportError, match=r'pip install "qerl-trl\[vllm\]"'):
+        vl.require_vllm("0.23.1")
+    assert vl.require_vllm("0.24.0+cu129") == "0.24.0+cu129"
+    assert vl.require_vllm("0.30.2") == "0.30.2"
+
+
+def test_require_vllm_missing_here():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"not installed.*pip install \"qerl-trl\[vllm\]\""):
+            vl.require_vllm()
+    else:
+        assert vl.require_vllm()
+
+
+@pytest.mark.parametrize(
+    "rank,expected", [(1, 1), (2, 8), (8, 8), (24, 32), (32, 32), (33, 64), (300, 320), (512, 512)]
+)
+def test_max_lora_rank_rounds_up(rank, expected, caplog):
+    with caplog.at_level("WARNING"):
+        assert vl.vllm_max_lora_rank(rank) == expected
+    assert ("padded" in caplog.text) == (rank != expected)
+
+
+def test_max_lora_rank_errors():
+    with pytest.raises(ValueError, match="largest rank vLLM can serve"):
+        vl.vllm_max_lora_rank(513)
+    with pytest.raises(ValueError, match="not a rank vLLM accepts"):
+        vl.vllm_max_lora_rank(16, requested=48)
+    with pytest.raises(ValueError, match="smaller than the LoRA rank"):
+        vl.vllm_max_lora_rank(64, requested=32)
+    assert vl.vllm_max_lora_rank(16, requested=64) == 64
+
+
+def test_check_lora_config_accepts_plain_lora():
+    assert vl.check_lora_config_for_vllm(LoraConfig(r=16, target_modules="all-linear")) == 16
+    assert vl.check_lora_config_for_vllm(LoraConfig(r=8, use_rslora=True, target_modules=["q_proj"])) == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(use_dora=True), "DoRA"),
+        (dict(bias="all"), "bias"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(rank_pattern={"q_proj": 8}), "rank_pattern"),
+        (dict(alpha_pattern={"q_proj": 3}), "alpha_pattern"),
+        (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
+    ],
+)
+def test_check_lora_config_rejects(kwargs, match):
+    base = dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        vl.check_lora_config_for_vllm(LoraConfig(**base))
+
+
+def _peft_tiny(r=8):
+    model = tiny_model("qwen2", dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(model, cfg), cfg
+
+
+def test_peft_to_vllm_tensor_names_and_shapes(tmp_path):
+    model, cfg = _peft_tiny(r=8)
+    tensors = vl.peft_to_vllm_lora_tensors(model)
+    # 2 layers x 7 projections x (A, B)
+    assert len(tensors) == 2 * 7 * 2
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert name in tensors and tensors[name].shape == (8, 64)
+    assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 8)
+    assert not any(".default." in k for k in tensors)
+    q_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
+    torch.testing.assert_close(tensors[name], q_a.detach())
+
+    vl.write_adapter_dir(str(tmp_path), tensors, cfg)
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert set(saved) == set(tensors)
+    assert all(t.dtype == torch.bfloat16 for t in saved.values())
+    torch.testing.assert_close(saved[name].float(), q_a.detach().to(torch.bfloat16).float())
+    conf = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert conf["r"] == 8 and conf["lora_alpha"] == 16 and conf["bias"] == "none" and not conf["use_dora"]
+    projs = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets = conf["target_modules"]  # PEFT resolves "all-linear" to the module names
+    assert isinstance(targets, list) and {t.rsplit(".", 1)[-1] for t in targets} == set(projs)
+
+
+def test_peft_to_vllm_rejects_non_lora_tensors():
+    model = tiny_model("qwen2", dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with pytest.raises(ValueError, match="not a LoRA A/B weight"):
+        vl.peft_to_vllm_lora_tensors(model)
+
+
+def test_cast_norms_to_fp32_keeps_values_and_names():
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    names = ["model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"]
+    before = {n: model.get_parameter(n).detach().clone() for n in names}
+    changed = vl.cast_norms_to_fp32(model, names)
+    assert changed == names
+    for n in names:
+        p = model.get_parameter(n)
+        assert p.dtype == torch.float32 and isinstance(p, torch.nn.Parameter)
+        assert torch.equal(p.detach(), before[n].float())
+    assert model.get_parameter("model.norm.weight").dtype == torch.bfloat16  # untouched
+    assert vl.cast_norms_to_fp32(model, names) == []  # idempotent
+    with pytest.raises(ValueError, match="not found in vLLM's model"):
+        vl.cast_norms_to_fp32(model, ["model.layers.9.input_layernorm.weight"])
+
+
+class _FakeLLM:
+    """Stands in for vllm.LLM, which cannot be installed on the CPU CI machine."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=False, lora_request=None):
+        self.calls.append(("generate", lora_request))
+        return ["out"]
+
+    def sleep(self, level=1, mode="abort"):
+        self.calls.append(("sleep", level))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset", None))
+
+
+def test_lora_serving_llm_injects_adapter_and_maps_sleep():
+    fake = _FakeLLM()
+    llm = vl.LoRAServingLLM(fake)
+    with pytest.raises(RuntimeError, match="No LoRA adapter"):
+        llm.generate(["p"], sampling_params=None)
+    llm.lora_request = "REQ"
+    assert llm.generate(["p"], sampling_params=None, use_tqdm=False) == ["out"]
+    llm.sleep(level=2)
+    llm.reset_prefix_cache()
+    assert fake.calls == [("generate", "REQ"), ("sleep", 1), ("reset", None)]
+
+
+def test_swap_trl_vllm_generation_restores():
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.VLLMGeneration
+
+    def factory(**kw):
+        return "built"
+
+    with vl.swap_trl_vllm_generation(factory):
+        assert grpo_trainer.VLLMGeneration is factory
+    assert grpo_trainer.VLLMGeneration is original
+    with pytest.raises(KeyError):
+        with vl.swap_trl_vllm_generation(factory):
+            raise KeyError("boom")
+    assert grpo_trainer.VLLMGeneration is original
+
