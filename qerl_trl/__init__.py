@@ -37,3 +37,5 @@ try:  # the quantizer package lands in its own change; keep `import qerl_trl` wo
 except ModuleNotFoundError as e:  # pragma: no cover
     if e.name != "qerl_trl.quantizer":
         raise
+
+from . import peft_lora  # noqa: E402,F401  (registers the NVFP4 LoRA layer with PEFT; see peft_lora.py)
