@@ -38,10 +38,10 @@ __all__ = ["QeRLGRPOTrainer", "SUPPORTED_ARCHITECTURES"]
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
-def check_architecture(config: Any) -> str:
+def check_architecture(config: Any, model_class_name: str | None = None) -> str:
     """Return the architecture name, or raise a clear error naming an unsupported one."""
     archs = list(getattr(config, "architectures", None) or [])
-    arch = archs[0] if archs else type(config).__name__
+    arch = model_class_name or (archs[0] if archs else type(config).__name__)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"QeRLGRPOTrainer does not support the architecture {arch!r}. Supported: "
@@ -199,9 +199,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
     @staticmethod
     def _load_nvfp4_model(model_id: str, args: QeRLGRPOConfig) -> tuple[PreTrainedModel, bool]:
         """Load ``model_id`` with its Linears as NVFP4Linear; return ``(model, checkpoint_is_nvfp4a16)``."""
-        from transformers import AutoModelForCausalLM
-
-        from ..quantizer import NVFP4Config
+        from ..quantizer import NVFP4Config, load_nvfp4
 
         kwargs = dict(args.model_init_kwargs or {})
         kwargs.setdefault("trust_remote_code", args.trust_remote_code)
@@ -220,18 +218,15 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 f"{model_id} is already quantized ({qc.get('quant_method')}, format {qc.get('format')}); QeRL needs "
                 "a 16-bit checkpoint (quantized to NVFP4 on load) or a compressed-tensors NVFP4A16 one."
             )
+        if is_nvfp4:  # packed tensors load as they are
+            return load_nvfp4(model_id, **kwargs), True
         quant = NVFP4Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert)
-        if is_nvfp4:
-            import qerl_trl
-
-            load = getattr(qerl_trl, "load_nvfp4", None)
-            if load is not None:
-                return load(model_id, **kwargs), True
-        return AutoModelForCausalLM.from_pretrained(model_id, quantization_config=quant, **kwargs), is_nvfp4
+        return load_nvfp4(model_id, quantization_config=quant, **kwargs), False
 
     @staticmethod
     def _check_policy(model: nn.Module) -> None:
-        check_architecture(_base_model(model).config)
+        base = _base_model(model)
+        check_architecture(base.config, type(base).__name__)
         if not any(isinstance(m, NVFP4Linear) for m in model.modules()):
             raise ValueError(
                 "The model has no NVFP4 layers. Pass a model id/path to QeRLGRPOTrainer (it quantizes on load), or "
