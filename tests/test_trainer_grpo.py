@@ -155,10 +155,12 @@ def test_grpo_cpu_end_to_end_and_resume(tiny_checkpoint, tmp_path):
     )
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert resumed.state.global_step == 4
-    relog = aqn_log(resumed.state.log_history)
-    assert sorted(relog) == [3, 4]
+    relog = aqn_log(resumed.state.log_history)  # steps 1-2 come from the checkpoint, 3-4 from the resumed run
+    assert sorted(relog) == [1, 2, 3, 4]
     for step in (3, 4):
         assert relog[step] == pytest.approx(logged[step])
+    new_entries = [h for h in resumed.state.log_history if "loss" in h and h["step"] > 2]
+    assert [h["step"] for h in new_entries] == [3, 4]
     # the resumed LoRA started from checkpoint-2's adapter, not from a fresh init
     assert not torch.equal(lora_state(resumed.model)[changed[0]], lora0[changed[0]])
 
