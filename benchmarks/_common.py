@@ -1,0 +1,63 @@
+"""Shared helpers for benchmark scripts: the results envelope every ``benchmarks/results/*.json`` carries."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib import metadata
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def gpu_tag() -> str:
+    """'h100', 'h200', ... from the device name (results files are named ``<benchmark>-<tag>.json``)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("gb200", "b200", "h200", "h100", "h20", "a100", "l40s", "l4", "a10g"):
+        if tag in name:
+            return tag
+    return name.replace("nvidia", "").strip().replace(" ", "-")
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> str:
+    """HEAD, with ``-dirty`` when tracked files differ (so a result names the code it came from)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO).stdout.strip()
+    except OSError:
+        head, dirty = "", ""
+    head = head or os.environ.get("QERL_COMMIT", "unknown")
+    return head + ("-dirty" if dirty else "")
+
+
+def result_envelope(benchmark: str, rows: list, command: str) -> dict:
+    """``{"benchmark", "gpu", "versions", "commit", "command", "rows"}`` for ``benchmarks/results/*.json``."""
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    for pkg in ("transformers", "peft", "triton", "trl", "vllm"):
+        v = _version(pkg)
+        if v is not None:
+            versions[pkg] = v
+    return {
+        "benchmark": benchmark,
+        "gpu": gpu_name(),
+        "versions": versions,
+        "commit": git_commit(),
+        "command": command,
+        "rows": rows,
+    }

@@ -1,0 +1,26 @@
+"""CPU smoke runs of the benchmark scripts (the real numbers come from the GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def test_memory_benchmark_runs_on_cpu(tmp_path):
+    from benchmarks import memory
+
+    env = memory.main(["--device", "cpu", "--tiny", "--layers", "1", "--seq", "16", "--rank", "8",
+                       "--out-dir", str(tmp_path)])
+    written = json.loads((tmp_path / "memory-cpu.json").read_text())
+    assert written == json.loads(json.dumps(env))
+    assert set(written) == {"benchmark", "gpu", "versions", "commit", "command", "rows"}
+    assert written["benchmark"] == "memory" and {"torch", "transformers", "peft"} <= set(written["versions"])
+    rows = {r["config"]: r for r in written["rows"]}
+    assert set(rows) == {"bf16", "nvfp4"}
+    assert rows["bf16"]["bytes_per_quantized_weight"] == 2.0
+    assert 0.5625 < rows["nvfp4"]["bytes_per_quantized_weight"] <= 0.5625 + 4 / (64 * 128)
+    assert rows["nvfp4"]["saved_tensors_mib_minus_bf16"] < rows["nvfp4"]["smallest_dense_weight_mib"]
+    assert all("fwd_bwd_peak_gib" in r for r in rows.values())
