@@ -46,7 +46,12 @@ class NVFP4Quantize(ConversionOps):
         for key, value in input_dict.items():
             tensor = value[0] if isinstance(value, list) else value
             name = key[: -len(".weight")]
-            for member, q in hq.group_quantizer.add(name, tensor).items():
+            try:
+                quantized = hq.group_quantizer.add(name, tensor)
+            except Exception as e:  # transformers only logs conversion errors; we re-raise after loading
+                hq.errors.append(e)
+                raise
+            for member, q in quantized.items():
                 module = model.get_submodule(member) if model is not None else None
                 if module is not None:  # the placeholder has done its job: the checkpoint tensor was routed here
                     module._parameters.pop("weight", None)
@@ -69,6 +74,8 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
         self.plan: ConversionPlan | None = None
         self.group_quantizer: GroupQuantizer | None = None
         self.dtype: torch.dtype = torch.bfloat16
+        #: errors raised while quantizing on load (transformers turns them into a log line and carries on)
+        self.errors: list[Exception] = []
 
     # ------------------------------------------------------------------ before loading
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
@@ -125,6 +132,8 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
 
     # ------------------------------------------------------------------ after loading
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.errors:
+            raise self.errors[0]
         unfinished = self.group_quantizer.unfinished() if self.group_quantizer else {}
         if unfinished:
             group, missing = next(iter(unfinished.items()))
