@@ -66,6 +66,8 @@ def test_interp_fwd_dgrad_match_fp64(dtype, m, n, k):
         dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT=2),  # split reduction, K/N not multiples of the tile
         dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, SPLIT=3, GROUP_M=2),
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT=1),  # tiles wider than N
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT=2, DEQ=1),  # gathered (reshape-free) dequantization
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, SPLIT=1, DEQ=1),
     ],
 )
 def test_interp_tile_configs(cfg):

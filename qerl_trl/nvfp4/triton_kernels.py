@@ -62,11 +62,21 @@ def _dequant_tile(packed, scale, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _dequant_gathered(packed, shift, scale):
+    """Same values as :func:`_dequant_tile`, elementwise: ``packed``/``scale`` already gathered to ``[R, C]``
+    (each byte read for its two columns, each scale for its 16), so no reshape or layout change is needed."""
+    codes = (packed >> shift) & 0xF
+    bits = ((codes & 7).to(tl.int16) << 9) | ((codes & 8).to(tl.int16) << 12)
+    s = ((scale & 0x7F).to(tl.int16) << 7) | ((scale & 0x80).to(tl.int16) << 8)
+    return bits.to(tl.float16, bitcast=True) * (s.to(tl.float16, bitcast=True) * 256.0)
+
+
+@triton.jit
 def _fwd_kernel(
     x_ptr, wp_ptr, ws_ptr, gs_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DEQ: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -89,8 +99,13 @@ def _fwd_kernel(
     k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
     k_lo = pid_s * k_per
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-    wp_ptrs = wp_ptr + offs_n[:, None] * (K // 2) + (k_lo // 2 + offs_k2)[None, :]
-    ws_ptrs = ws_ptr + offs_n[:, None] * (K // 16) + (k_lo // 16 + offs_ks)[None, :]
+    if DEQ == 0:
+        wp_ptrs = wp_ptr + offs_n[:, None] * (K // 2) + (k_lo // 2 + offs_k2)[None, :]
+        ws_ptrs = ws_ptr + offs_n[:, None] * (K // 16) + (k_lo // 16 + offs_ks)[None, :]
+    else:
+        wp_ptrs = wp_ptr + offs_n[:, None] * (K // 2) + ((k_lo + offs_k) // 2)[None, :]
+        ws_ptrs = ws_ptr + offs_n[:, None] * (K // 16) + ((k_lo + offs_k) // 16)[None, :]
+        shift = ((offs_k & 1) * 4).to(tl.uint8)[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + k_per, K), BLOCK_K):
@@ -99,10 +114,18 @@ def _fwd_kernel(
             p = tl.load(wp_ptrs)
             s = tl.load(ws_ptrs)
         else:
-            x = tl.load(x_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
-            p = tl.load(wp_ptrs, mask=(k0 // 2 + offs_k2)[None, :] < K // 2, other=0)
-            s = tl.load(ws_ptrs, mask=(k0 // 16 + offs_ks)[None, :] < K // 16, other=0)
-        w = _dequant_tile(p, s, BLOCK_N, BLOCK_K)
+            kin = (k0 + offs_k)[None, :] < K
+            x = tl.load(x_ptrs, mask=kin, other=0.0)
+            if DEQ == 0:
+                p = tl.load(wp_ptrs, mask=(k0 // 2 + offs_k2)[None, :] < K // 2, other=0)
+                s = tl.load(ws_ptrs, mask=(k0 // 16 + offs_ks)[None, :] < K // 16, other=0)
+            else:
+                p = tl.load(wp_ptrs, mask=kin, other=0)
+                s = tl.load(ws_ptrs, mask=kin, other=0)
+        if DEQ == 0:
+            w = _dequant_tile(p, s, BLOCK_N, BLOCK_K)
+        else:
+            w = _dequant_gathered(p, shift, s)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc)
         x_ptrs += BLOCK_K
         wp_ptrs += BLOCK_K // 2
@@ -122,7 +145,7 @@ def _dgrad_kernel(
     dy_ptr, wp_ptr, ws_ptr, gs_ptr, dx_ptr,
     M, N, K, stride_dym, stride_dxm, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DEQ: tl.constexpr = 0,
 ):
     # dx[M, K] = dy[M, N] @ Ŵ[N, K]; BLOCK_K tiles the output, BLOCK_N is the reduction step.
     pid = tl.program_id(0)
@@ -145,8 +168,14 @@ def _dgrad_kernel(
     n_per = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT) * BLOCK_N
     n_lo = pid_s * n_per
     dy_ptrs = dy_ptr + offs_m[:, None] * stride_dym + (n_lo + offs_n)[None, :]
-    wp_ptrs = wp_ptr + (n_lo + offs_n)[:, None] * (K // 2) + offs_k2[None, :]
-    ws_ptrs = ws_ptr + (n_lo + offs_n)[:, None] * (K // 16) + offs_ks[None, :]
+    if DEQ == 0:
+        wp_ptrs = wp_ptr + (n_lo + offs_n)[:, None] * (K // 2) + offs_k2[None, :]
+        ws_ptrs = ws_ptr + (n_lo + offs_n)[:, None] * (K // 16) + offs_ks[None, :]
+    else:
+        kk = rk % K
+        wp_ptrs = wp_ptr + (n_lo + offs_n)[:, None] * (K // 2) + (kk // 2)[None, :]
+        ws_ptrs = ws_ptr + (n_lo + offs_n)[:, None] * (K // 16) + (kk // 16)[None, :]
+        shift = ((kk & 1) * 4).to(tl.uint8)[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for n0 in range(n_lo, tl.minimum(n_lo + n_per, N), BLOCK_N):
@@ -159,7 +188,10 @@ def _dgrad_kernel(
             g = tl.load(dy_ptrs, mask=nmask[None, :], other=0.0)
             p = tl.load(wp_ptrs, mask=nmask[:, None], other=0)
             s = tl.load(ws_ptrs, mask=nmask[:, None], other=0)
-        w = _dequant_tile(p, s, BLOCK_N, BLOCK_K)
+        if DEQ == 0:
+            w = _dequant_tile(p, s, BLOCK_N, BLOCK_K)
+        else:
+            w = _dequant_gathered(p, shift, s)
         acc = tl.dot(g.to(DOT_DTYPE), w.to(DOT_DTYPE), acc)
         dy_ptrs += BLOCK_N
         wp_ptrs += BLOCK_N * (K // 2)
@@ -176,9 +208,10 @@ def _dgrad_kernel(
 
 # ----------------------------------------------------------------------------------------------- configs
 
-def _cfg(bm, bn, bk, warps, stages, split=1, group=8):
+def _cfg(bm, bn, bk, warps, stages, split=1, group=8, deq=0):
     return triton.Config(
-        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, SPLIT=split), num_warps=warps, num_stages=stages
+        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, SPLIT=split, DEQ=deq), num_warps=warps,
+        num_stages=stages,
     )
 
 
@@ -190,7 +223,7 @@ def _large_configs():
         (128, 128, 128, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (64, 128, 128, 4, 4),
         (256, 128, 128, 8, 3), (128, 256, 128, 8, 3),
     ]:
-        out.append(_cfg(bm, bn, bk, w, s))
+        out += [_cfg(bm, bn, bk, w, s, deq=0), _cfg(bm, bn, bk, w, s, deq=1)]
     return out
 
 
@@ -199,7 +232,8 @@ def _small_fwd_configs():
     out = []
     for bn, bk, w, s in [(32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 5),
                          (128, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 6)]:
-        out.append(_cfg(16, bn, bk, w, s, group=1))  # BLOCK_M set from the bucket in the pruner
+        for deq in (0, 1):  # BLOCK_M set from the bucket in the pruner
+            out.append(_cfg(16, bn, bk, w, s, group=1, deq=deq))
     return out
 
 
@@ -208,7 +242,8 @@ def _small_dgrad_configs():
     out = []
     for bk, bn, split, w, s in [(64, 256, 4, 4, 4), (64, 128, 4, 4, 4), (128, 128, 2, 4, 4), (64, 256, 2, 4, 4),
                                 (128, 256, 4, 4, 3), (64, 128, 8, 4, 4), (32, 256, 2, 4, 4), (128, 128, 1, 4, 4)]:
-        out.append(_cfg(16, bn, bk, w, s, split=split, group=1))
+        for deq in (0, 1):
+            out.append(_cfg(16, bn, bk, w, s, split=split, group=1, deq=deq))
     return out
 
 
