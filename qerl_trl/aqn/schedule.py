@@ -16,8 +16,8 @@ class AQNSchedule:
     Stage k ≥ 1 uses ``σ_k = σ_start · (σ_end/σ_start)^((k−1)/(K−2))`` for k = 1..K−1, so σ runs exactly from
     ``sigma_start`` (stage 1) to ``sigma_end`` (stage K−1).
 
-    K = 2 has a single noisy stage and the exponent is 0/0; we define σ_1 = ``sigma_start`` (the noise level
-    the paper starts each run with). Use ``sigma_end == sigma_start`` if you want that stated explicitly.
+    K = 2 has a single noisy stage and the exponent is 0/0; we define σ_1 = ``sigma_start`` (the noise
+    level the paper starts each run with). Use ``sigma_end == sigma_start`` to state that explicitly.
     """
 
     sigma_start: float = 1e-2
