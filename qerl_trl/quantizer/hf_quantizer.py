@@ -141,6 +141,8 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
                 f"the checkpoint lacks {[m + '.weight' for m in missing]}, so the fused group {list(group)} could "
                 "not get its shared NVFP4 global scale. Is the checkpoint complete?"
             )
+        #: most 16-bit bytes the fused-group buffer held at once during this load (tests/logs)
+        self.max_pending_bytes = self.group_quantizer.max_pending_bytes if self.group_quantizer else 0
         self.group_quantizer = None
         for name in self.plan.groups:
             module = model.get_submodule(name)
