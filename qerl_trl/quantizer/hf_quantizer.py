@@ -86,8 +86,8 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
             )
 
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
-        if dtype is None or dtype == torch.float32:
-            logger.info("NVFP4Config: loading the 16-bit parts in bfloat16 (pass dtype=torch.float16 to change)")
+        if dtype is None:
+            logger.info("NVFP4Config: loading the unquantized parts in bfloat16 (pass dtype=... to change)")
             return torch.bfloat16
         return dtype
 
