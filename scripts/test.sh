@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up and run the CPU test suite on a fresh machine (this is README's test command; CI runs it too).
 #   1. a venv with torch 2.13.0 (CPU) and qerl-trl[test] on the newest transformers -> the whole CPU suite;
-#   2. a second venv pinned to transformers 5.17.0 (the GPU machine's) -> the quantizer/checkpoint tests.
+#   2. a second venv pinned to transformers 5.17.0 + compressed-tensors 0.17.0 (the GPU machine's and vLLM 0.24's) -> the quantizer/checkpoint tests.
 # Triton kernels run under TRITON_INTERPRET=1 here. GPU-only tests are marked `gpu`/`vllm` and skipped.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,7 +19,7 @@ export TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUN
 
 if [ "${QERL_SKIP_COMPAT:-0}" != "1" ]; then
   echo "== quantizer tests on transformers 5.17.0 =="
-  setup_venv .venv-tf517 "transformers==5.17.0"
+  setup_venv .venv-tf517 "transformers==5.17.0" "compressed-tensors==0.17.0"
   .venv-tf517/bin/python -m pytest -q -m "not gpu and not vllm" -k "quantizer or checkpoint or compat" tests
 fi
 
