@@ -139,6 +139,7 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     spec = importlib.util.spec_from_file_location(f"qerl_example_{script}", path)
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(module)
     script_args, training_args = module.make_parser().parse_args_and_config(
         args=["--config", str(config), *rest]
