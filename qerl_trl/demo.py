@@ -90,7 +90,7 @@ def prepare_model(cache: Path | None = None) -> Path:
     return nvfp4
 
 
-def arithmetic_dataset(n: int, seed: int, low: int = 10, high: int = 49):
+def arithmetic_dataset(n: int, seed: int, low: int = 1, high: int = 20):
     """``n`` addition problems as a conversational prompt dataset with an ``answer`` column."""
     from datasets import Dataset
 
@@ -174,13 +174,13 @@ def run_demo(
     output_dir: str | os.PathLike = "outputs/demo",
     model: str | None = None,
     steps: int | None = None,
-    num_generations: int = 8,
+    num_generations: int = 4,
     prompts_per_step: int = 2,
     learning_rate: float | None = None,
     use_vllm: str | bool = "auto",
-    eval_size: int = 64,
+    eval_size: int = 32,
     seed: int = 0,
-    max_completion_length: int = 8,
+    max_completion_length: int = 6,
     aqn_num_stages: int = 5,
     lora_r: int = 16,
 ) -> dict[str, Any]:
@@ -201,7 +201,7 @@ def run_demo(
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
-    steps = steps or (100 if on_gpu else 40)
+    steps = steps or (100 if on_gpu else 12)
     learning_rate = learning_rate or 1e-4
 
     model_path = model or str(prepare_model())
