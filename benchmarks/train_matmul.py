@@ -48,6 +48,7 @@ def gpu_tag() -> str:
 def _own_envelope(benchmark: str, rows: list, command: str) -> dict:
     """The results envelope (used while benchmarks/_common.py is not there)."""
     import platform
+    import re
     import subprocess
 
     import transformers
@@ -57,6 +58,8 @@ def _own_envelope(benchmark: str, rows: list, command: str) -> dict:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
+        commit = ""
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):  # no .git on the GPU machine: take QERL_COMMIT
         commit = ""
     return {
         "benchmark": benchmark,
