@@ -85,6 +85,10 @@ def _triton_available() -> bool:
 
 
 _TRITON_OK: bool | None = None
+#: Above this many rows the current Triton kernels lose to dequantize+cuBLAS (H200, benchmarks/results/
+#: train_matmul-h200.json: at 8192 tokens ours 2.3-3.5x BF16 vs naive 1.4-1.7x; at <= 2048 ours wins), so
+#: larger activations keep the reference path. Override with QERL_NVFP4_TRITON_MAX_M.
+TRITON_MAX_M_DEFAULT = 4096
 
 
 def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
@@ -95,6 +99,8 @@ def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
     if _TRITON_OK is None:
         _TRITON_OK = _triton_available()
     if not _TRITON_OK:
+        return False
+    if x.shape[0] > int(os.environ.get("QERL_NVFP4_TRITON_MAX_M", TRITON_MAX_M_DEFAULT)):
         return False
     from . import triton_kernels
 
