@@ -199,7 +199,7 @@ def run_check(
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
-                p.add_((torch.randn(p.shape, generator=g) * 2e-2).to(p.device, p.dtype))
+                p.add_((torch.randn(p.shape, generator=g) * 5e-2).to(p.device, p.dtype))
     gen.pending_norms = trainer.aqn.clean_weights(model)
     gen.sync_weights()
     tok = trainer.processing_class
@@ -243,7 +243,8 @@ def run_check(
     served = float((v_lora - v_base).abs().mean())
     rows.append(
         row("lora_served_vllm_lora_vs_base", served, f">= {SERVED_MIN}", served >= SERVED_MIN,
-            hf_lora_vs_base=float((h_lora - h_base).abs().mean()))
+            hf_lora_vs_base=float((h_lora - h_base).abs().mean()),
+            vllm_lora_vs_hf_base=float((v_lora - h_base).abs().mean()))
     )
 
     # timings and memory
