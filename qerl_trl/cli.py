@@ -293,10 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--output-dir", default="outputs/demo", help="Where the adapter, plot and summary go.")
     d.add_argument("--model", default=None, help="A local 16-bit or NVFP4 checkpoint instead of SmolLM2.")
-    d.add_argument("--steps", type=int, default=None, help="Training steps (default: 12 on CPU, 100 on GPU).")
-    d.add_argument("--num-generations", type=int, default=4, help="Completions per prompt (default: 4).")
-    d.add_argument("--prompts-per-step", type=int, default=2, help="Prompts per step (default: 2).")
-    d.add_argument("--learning-rate", type=float, default=None, help="LoRA learning rate (default: 1e-4).")
+    d.add_argument("--steps", type=int, default=None, help="Training steps (default: 24 on CPU, 100 on GPU).")
+    d.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (default: 8).")
+    d.add_argument("--prompts-per-step", type=int, default=4, help="Prompts per step (default: 4).")
+    d.add_argument("--learning-rate", type=float, default=None, help="LoRA learning rate (default: 3e-4).")
     d.add_argument(
         "--use-vllm",
         choices=["auto", "true", "false"],
