@@ -199,6 +199,10 @@ def measure(kind: str, args, device) -> dict:
     single.layers = keep_layers[:1]
     small = hidden[:1].detach().requires_grad_(True)
     if on_cuda:
+        # warm-up first: kernel autotuning and allocator/library workspaces on the first call are not "kept"
+        model(small).float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+        small.grad = None
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         out = model(small)

@@ -182,3 +182,17 @@ def test_gpu_cuda_graph_capture_after_warmup():
     w = F.dequantize(*q, dtype=torch.float32)
     assert _rel(y, x.float() @ w.t()) < 6e-3
     assert _rel(dx, dy.float() @ w) < 6e-3
+
+
+@pytest.mark.parametrize("mb", [16, 128, 4096])
+def test_prune_never_falls_back_to_an_oversized_tile_on_tiny_problems(mb):
+    """A tiny N/K prunes every tuned tile; the fallback must be the smallest footprint (the first, largest config
+    overflowed shared memory on an H200: 245760 > 232448 bytes)."""
+    from qerl_trl.nvfp4 import triton_kernels as tk
+
+    configs = tk._large_configs()
+    got = tk._prune(configs, {"M_BUCKET": mb, "N": 8, "K": 8})
+    assert len(got) == 1
+    smallest = min(tk._smem_footprint(c) for c in tk._prune(configs, {"M_BUCKET": mb, "N": 1 << 14, "K": 1 << 14}) + got)
+    assert tk._smem_footprint(got[0]) <= smallest
+    assert tk._smem_footprint(got[0]) < tk._smem_footprint(configs[0])

@@ -257,17 +257,28 @@ def _prune(configs, named_args, **kwargs):
     mb = named_args["M_BUCKET"]
     n = named_args["N"]
     k = named_args["K"]
-    out = []
+    fitted, adapted = [], []
     for c in configs:
         kw = dict(c.kwargs)
         if mb <= 64:
             kw["BLOCK_M"] = mb
-        elif kw["BLOCK_M"] > mb:
+        cfg = triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages)
+        adapted.append(cfg)
+        if kw["BLOCK_M"] > mb and mb > 64:
             continue
         if kw["BLOCK_N"] > max(16, triton.next_power_of_2(n)) or kw["BLOCK_K"] > max(16, triton.next_power_of_2(k)):
             continue
-        out.append(triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages))
-    return out or configs[:1]
+        fitted.append(cfg)
+    if fitted:
+        return fitted
+    # Nothing fits a tiny problem: take the config with the smallest shared-memory footprint, never the first
+    # (largest) one, which can exceed the SM's shared memory and would be launched untimed.
+    return [min(adapted, key=_smem_footprint)]
+
+
+def _smem_footprint(c) -> int:
+    kw = c.kwargs
+    return (kw["BLOCK_M"] * kw["BLOCK_K"] + kw["BLOCK_N"] * kw["BLOCK_K"]) * max(1, c.num_stages)
 
 
 def _even_k(args):
