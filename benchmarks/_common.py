@@ -42,7 +42,10 @@ def git_commit() -> str:
                                text=True, cwd=REPO).stdout.strip()
     except OSError:
         head, dirty = "", ""
-    head = head or os.environ.get("QERL_COMMIT", "unknown")
+    if os.environ.get("QERL_COMMIT"):  # the GPU machine gets a copy of the tree without usable git history
+        return os.environ["QERL_COMMIT"]
+    if len(head) != 40:
+        head = "unknown"
     return head + ("-dirty" if dirty else "")
 
 
