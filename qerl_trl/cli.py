@@ -296,14 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=None, help="Training steps (default: 24 on CPU, 100 on GPU).")
     d.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (default: 8).")
     d.add_argument("--prompts-per-step", type=int, default=4, help="Prompts per step (default: 4).")
-    d.add_argument("--learning-rate", type=float, default=None, help="LoRA learning rate (default: 3e-4).")
+    d.add_argument("--learning-rate", type=float, default=None, help="LoRA learning rate (default: 5e-4).")
     d.add_argument(
         "--use-vllm",
         choices=["auto", "true", "false"],
         default="auto",
         help="vLLM colocate rollouts: auto = when a GPU and vLLM are present.",
     )
-    d.add_argument("--eval-size", type=int, default=32, help="Held-out problems scored before and after.")
+    d.add_argument("--eval-size", type=int, default=64, help="Held-out problems scored before and after.")
     d.add_argument("--seed", type=int, default=0, help="Random seed.")
     return p
 

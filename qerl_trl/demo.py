@@ -178,8 +178,13 @@ def _plot(log_history: list[dict[str, Any]], path: Path, sigma_by_step: list[flo
     rows = [r for r in log_history if "reward" in r]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
-    ax[0].plot(steps, [r["reward"] for r in rows], marker="o", ms=3)
-    ax[0].set(title="training reward (mean per step)", xlabel="step", ylim=(-0.05, 1.05))
+    rewards = [r["reward"] for r in rows]
+    ax[0].plot(steps, rewards, marker="o", ms=3, alpha=0.45, label="per step")
+    w = 4  # a step holds only a few prompts, so per-step means are noisy: also show a running mean
+    avg = [sum(rewards[max(0, i - w + 1) : i + 1]) / len(rewards[max(0, i - w + 1) : i + 1]) for i in range(len(rewards))]
+    ax[0].plot(steps, avg, color="tab:blue", lw=2, label=f"mean of last {w} steps")
+    ax[0].legend(loc="upper left", fontsize=8)
+    ax[0].set(title="training reward (exact sum)", xlabel="step", ylim=(-0.05, 1.05))
     ax[1].plot(steps, [r.get("entropy", float("nan")) for r in rows], marker="o", ms=3, color="tab:orange")
     ax[1].set(title="policy entropy (nats/token)", xlabel="step")
     ax[2].step(range(1, len(sigma_by_step) + 1), sigma_by_step, where="post", color="tab:green")
@@ -205,7 +210,7 @@ def run_demo(
     prompts_per_step: int = 4,
     learning_rate: float | None = None,
     use_vllm: str | bool = "auto",
-    eval_size: int = 32,
+    eval_size: int = 64,
     seed: int = 0,
     max_completion_length: int = 3,
     aqn_num_stages: int = 5,
@@ -229,7 +234,7 @@ def run_demo(
     if not on_gpu:
         torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
     steps = steps or (100 if on_gpu else 24)
-    learning_rate = learning_rate or 3e-4
+    learning_rate = learning_rate or 5e-4
 
     model_path = model or str(prepare_model())
     held_out = arithmetic_dataset(eval_size, seed=seed + 10_000)
