@@ -146,11 +146,15 @@ def evaluate_accuracy(model, tokenizer, dataset, max_new_tokens: int = 8, batch_
     tokenizer.padding_side = "left"
     device = next(p for p in model.parameters() if p.is_floating_point()).device
     scores: list[float] = []
+
+    def chat(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     try:
         for i in range(0, len(dataset), batch_size):
             batch = dataset[i : i + batch_size]
             texts = [
-                p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                p if isinstance(p, str) else chat(p)
                 for p in batch["prompt"]
             ]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -181,7 +185,8 @@ def _plot(log_history: list[dict[str, Any]], path: Path, sigma_by_step: list[flo
     rewards = [r["reward"] for r in rows]
     ax[0].plot(steps, rewards, marker="o", ms=3, alpha=0.45, label="per step")
     w = 4  # a step holds only a few prompts, so per-step means are noisy: also show a running mean
-    avg = [sum(rewards[max(0, i - w + 1) : i + 1]) / len(rewards[max(0, i - w + 1) : i + 1]) for i in range(len(rewards))]
+    windows = [rewards[max(0, i - w + 1) : i + 1] for i in range(len(rewards))]
+    avg = [sum(x) / len(x) for x in windows]
     ax[0].plot(steps, avg, color="tab:blue", lw=2, label=f"mean of last {w} steps")
     ax[0].legend(loc="upper left", fontsize=8)
     ax[0].set(title="training reward (exact sum)", xlabel="step", ylim=(-0.05, 1.05))
