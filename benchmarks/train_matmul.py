@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks._common import gpu_tag, result_envelope  # noqa: E402
 from qerl_trl.nvfp4 import format as F  # noqa: E402
 from qerl_trl.nvfp4 import ops  # noqa: E402
 from qerl_trl.nvfp4 import triton_kernels as tk  # noqa: E402
@@ -34,51 +35,6 @@ SHAPES = {  # layer -> (N = out_features, K = in_features)
     "qwen2.5-32b.gate_up": (2 * 27648, 5120),
     "qwen2.5-32b.down": (5120, 27648),
 }
-
-
-def gpu_tag() -> str:
-    """'h100', 'h200', ... from the device name (the results file's suffix)."""
-    name = torch.cuda.get_device_name().lower()
-    for tag in ("h200", "h100", "h20", "b200", "gb200", "a100", "l40s", "l4", "a10g", "rtx"):
-        if tag in name:
-            return tag
-    return name.replace("nvidia", "").strip().replace(" ", "-")
-
-
-def _own_envelope(benchmark: str, rows: list, command: str) -> dict:
-    """The results envelope (used while benchmarks/_common.py is not there)."""
-    import platform
-    import re
-    import subprocess
-
-    import transformers
-    import triton
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        commit = ""
-    if not re.fullmatch(r"[0-9a-f]{40}", commit):  # no .git on the GPU machine: take QERL_COMMIT
-        commit = ""
-    return {
-        "benchmark": benchmark,
-        "gpu": gpu_tag(),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                     "transformers": transformers.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version(), "device": torch.cuda.get_device_name()},
-        "commit": commit or os.environ.get("QERL_COMMIT", "unknown"),
-        "command": command,
-        "rows": rows,
-    }
-
-
-def result_envelope(benchmark: str, rows: list, command: str) -> dict:
-    try:
-        from benchmarks._common import result_envelope as shared
-    except ImportError:
-        return _own_envelope(benchmark, rows, command)
-    return shared(benchmark, rows, command)
 
 
 def bench(fns, warmup=25, rep=100):

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.train_matmul import gpu_tag, result_envelope  # noqa: E402
+from benchmarks._common import gpu_tag, result_envelope  # noqa: E402
 from qerl_trl.nvfp4.format import compute_global_scale  # noqa: E402
 from qerl_trl.nvfp4.linear import NVFP4Linear  # noqa: E402
 
