@@ -66,8 +66,8 @@ def test_interp_fwd_dgrad_match_fp64(dtype, m, n, k):
         dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT=2),  # split reduction, K/N not multiples of the tile
         dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, SPLIT=3, GROUP_M=2),
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT=1),  # tiles wider than N
-        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT=2, DEQ=1),  # gathered (reshape-free) dequantization
-        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, SPLIT=1, DEQ=1),
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT=2),  # K tail inside one tile
+        dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, SPLIT=1, GROUP_M=1),
     ],
 )
 def test_interp_tile_configs(cfg):
@@ -195,4 +195,97 @@ def test_prune_never_falls_back_to_an_oversized_tile_on_tiny_problems(mb):
     assert len(got) == 1
     smallest = min(tk._smem_footprint(c) for c in tk._prune(configs, {"M_BUCKET": mb, "N": 1 << 14, "K": 1 << 14}) + got)
     assert tk._smem_footprint(got[0]) <= smallest
-    assert tk._smem_footprint(got[0]) < tk._smem_footprint(configs[0])
+    assert tk._smem_footprint(got[0]) < max(tk._smem_footprint(c) for c in configs)
+
+
+# ------------------------------------------------------------------------------------- the PTX dequantization
+def _run_ptx(asm: str, args: dict[int, int]) -> dict[int, int]:
+    """A tiny interpreter for the instructions the dequantization PTX uses (b32 registers, 16-bit halves)."""
+    import re
+
+    import numpy as np
+
+    regs = {f"${k}": v for k, v in args.items()}
+
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    def half(bits, fp):  # 16-bit pattern -> python float (subnormals included)
+        return float(np.array([bits], dtype=np.uint16).view(np.float16)[0]) if fp == "f16" else \
+            float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
+
+    def to_half(x, fp):  # exact conversion or fail: the recipe must never round
+        if fp == "f16":
+            bits = int(np.array([x], dtype=np.float16).view(np.uint16)[0])
+        else:
+            bits = int(np.array([x], dtype=np.float32).view(np.uint32)[0]) >> 16
+        assert half(bits, fp) == x, f"{x} is not exact in {fp}"
+        return bits
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b32" and rest.startswith("{"):  # split a register into two 16-bit outputs
+            lo, hi, src = re.match(r"\{(\S+), (\S+)\}, (\S+)", rest).groups()
+            regs[lo], regs[hi] = regs[src] & 0xFFFF, regs[src] >> 16
+            continue
+        if op == "mov.b32" and "{" in rest:  # pack two 16-bit inputs
+            dst, lo, hi = re.match(r"(\S+), \{(\S+), (\S+)\}", rest).groups()
+            regs[dst] = (regs[lo] & 0xFFFF) | (regs[hi] & 0xFFFF) << 16
+            continue
+        ops = [t.strip() for t in rest.split(",")]
+        d, a = ops[0], ops[1:]
+        if op == "mov.b32":
+            regs[d] = val(a[0])
+        elif op == "shl.b32":
+            regs[d] = (val(a[0]) << val(a[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[d] = val(a[0]) >> val(a[1])
+        elif op == "and.b32":
+            regs[d] = val(a[0]) & val(a[1])
+        elif op == "lop3.b32":
+            x, y, z, lut = (val(t) for t in a)
+            regs[d] = sum(((lut >> ((x >> i & 1) << 2 | (y >> i & 1) << 1 | (z >> i & 1))) & 1) << i for i in range(32))
+        elif op == "prmt.b32":
+            x, y, sel = val(a[0]), val(a[1]), val(a[2])
+            src = x | y << 32
+            regs[d] = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            fp = "bf16" if "bf16" in op else "f16"
+            x, y, z = (val(t) for t in a)
+            out = 0
+            for i in (0, 1):
+                r = half(x >> 16 * i & 0xFFFF, fp) * half(y >> 16 * i & 0xFFFF, fp) + half(z >> 16 * i & 0xFFFF, fp)
+                out |= to_half(r, fp) << 16 * i
+            regs[d] = out
+        else:
+            raise AssertionError(f"unexpected PTX instruction {op}")
+    return {int(k[1:]): v for k, v in regs.items() if k[1:].isdigit() and int(k[1:]) < 16}
+
+
+@pytest.mark.parametrize("is_bf16", [True, False])
+def test_dequant_ptx_recipe_is_exact_for_every_code_and_scale(is_bf16):
+    """The inline PTX the GPU kernels use, run instruction by instruction: every E2M1 code in every column
+    position, scales from the E4M3 subnormal 2**-9 up to 448, exact products, adjacent columns per register."""
+    import numpy as np
+
+    tk = _tk()
+    asm = tk._dequant_asm(is_bf16)
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    rng = np.random.default_rng(0)
+    for scale in [2.0**-9, 0.001953125 * 3, 0.125, 1.0, 17.0, 240.0, 448.0]:
+        s16 = scale * 2.0**119 if is_bf16 else scale  # what _scale_16bit hands the PTX
+        s_bits = int(torch.tensor(s16, dtype=torch.bfloat16 if is_bf16 else torch.float16).view(torch.int16)) & 0xFFFF
+        for trial in range(20):
+            codes = [(trial + j) % 16 for j in range(16)] if trial < 16 else list(rng.integers(0, 16, 16))
+            w0 = sum(c << (4 * j) for j, c in enumerate(codes[:8]))
+            w1 = sum(c << (4 * j) for j, c in enumerate(codes[8:]))
+            out = _run_ptx(asm, {16: w0, 17: w1, 18: s_bits})
+            for j, c in enumerate(codes):
+                want = (-1.0 if c & 8 else 1.0) * e2m1[c & 7] * scale * (2.0**-7 if is_bf16 else 2.0**-14)
+                fp = torch.bfloat16 if is_bf16 else torch.float16
+                got = float(torch.tensor([out[j]], dtype=torch.int32).to(torch.int16).view(fp).item())
+                assert got == want, (scale, j, c, got, want)

@@ -49,34 +49,114 @@ def m_bucket(m: int) -> int:
     return b
 
 
-@triton.jit
-def _dequant_tile(packed, scale, R: tl.constexpr, C: tl.constexpr):
-    """uint8 codes ``[R, C/2]`` + uint8 (E4M3 bits) scales ``[R, C/16]`` -> fp16 ``[R, C]`` = Ŵ * global * 2**-14."""
-    codes = tl.join(packed & 0xF, packed >> 4).reshape(R, C)  # even column from the low nibble
-    bits = ((codes & 7).to(tl.int16) << 9) | ((codes & 8).to(tl.int16) << 12)
-    vals = bits.to(tl.float16, bitcast=True)
-    s = ((scale & 0x7F).to(tl.int16) << 7) | ((scale & 0x80).to(tl.int16) << 8)
-    s = s.to(tl.float16, bitcast=True) * 256.0
-    w = tl.reshape(vals, (R, C // 16, 16)) * s[:, :, None]
-    return tl.reshape(w, (R, C))
+def _dequant_asm(is_bf16: bool) -> str:
+    """PTX turning two int32 words (16 E2M1 codes, column ``c`` in bits ``4c..4c+3`` of word ``c // 8``) and their
+    16-bit scale into 16 scaled 16-bit floats, two columns per instruction (the Marlin trick, adapted so each
+    output register holds *adjacent* columns and no repacking is needed):
+
+    ``u = q << 4`` puts code ``2b`` in the high nibble of ``u``'s byte ``b``, where ``q``'s byte ``b`` already holds
+    code ``2b+1``; ``prmt`` moves those two bytes to bytes 1 and 3, so both codes sit in the top nibble of a
+    16-bit half. Keeping the sign bit and shifting the 3 magnitude bits down into the exponent/mantissa boundary
+    gives ``e2m1 * 2**-126`` (bf16) or ``e2m1 * 2**-14`` (fp16) exactly (0.5 becomes a subnormal), and one
+    ``fma`` per pair applies the scale.
+    """
+    sh, mag = (6, "0x01C001C0") if is_bf16 else (3, "0x0E000E00")
+    fma = "fma.rn.bf16x2" if is_bf16 else "fma.rn.f16x2"
+    lines = ["{", ".reg .b32 u, t, m, o, s2, z;", "mov.b32 s2, {$18, $18};", "mov.b32 z, 0x80008000;"]
+    for wi, reg in enumerate(("$16", "$17")):
+        lines.append(f"shl.b32 u, {reg}, 4;")
+        for b in range(4):
+            sel = hex((b << 12) | ((4 + b) << 4))  # byte 1 <- u[b], byte 3 <- q[b]
+            lines += [f"prmt.b32 t, {reg}, u, {sel};", f"shr.b32 m, t, {sh};", f"and.b32 m, m, {mag};",
+                      "lop3.b32 t, t, 0x80008000, m, 0xEA;",  # (t & sign) | m
+                      f"{fma} o, t, s2, z;",  # * scale (+ -0.0 keeps the product's sign and exactness)
+                      f"mov.b32 {{${8 * wi + 2 * b}, ${8 * wi + 2 * b + 1}}}, o;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_ASM_BF16 = tl.constexpr(_dequant_asm(True))
+_ASM_F16 = tl.constexpr(_dequant_asm(False))
 
 
 @triton.jit
-def _dequant_gathered(packed, shift, scale):
-    """Same values as :func:`_dequant_tile`, elementwise: ``packed``/``scale`` already gathered to ``[R, C]``
-    (each byte read for its two columns, each scale for its 16), so no reshape or layout change is needed."""
-    codes = (packed >> shift) & 0xF
-    bits = ((codes & 7).to(tl.int16) << 9) | ((codes & 8).to(tl.int16) << 12)
-    s = ((scale & 0x7F).to(tl.int16) << 7) | ((scale & 0x80).to(tl.int16) << 8)
-    return bits.to(tl.float16, bitcast=True) * (s.to(tl.float16, bitcast=True) * 256.0)
+def _scale_16bit(s, IS_BF16: tl.constexpr):
+    """E4M3 scale bytes -> ``scale * 2**119`` (bf16) or ``scale`` (fp16), exactly, on any GPU (no fp8 cvt)."""
+    bits = ((s & 0x7F).to(tl.int16) << 7) | ((s & 0x80).to(tl.int16) << 8)
+    sf = bits.to(tl.float16, bitcast=True).to(tl.float32)  # scale * 2**-8 (E4M3 subnormals -> fp16 subnormals)
+    if IS_BF16:
+        return (sf * 2.0**127).to(tl.bfloat16)
+    else:
+        return (sf * 256.0).to(tl.float16)
+
+
+@triton.jit
+def _code_value(w, SHIFT: tl.constexpr):
+    """E2M1 code at bits ``[SHIFT, SHIFT + 4)`` of int32 words -> its fp32 value (portable path)."""
+    c = w >> SHIFT
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _dequant(w0, w1, s, IS_BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    """Words ``w0`` (columns 0-7 of each 16-group), ``w1`` (8-15) and scale bytes ``s``, all ``[R, G]`` ->
+    ``[R, 16 G]`` = Ŵ * global * 2**-7 (bf16) or * 2**-14 (fp16); fp32 on the portable path (interpreter).
+
+    Every step is elementwise on ``[R, G]`` tensors; the 16 columns are put in order by ``tl.join`` (which adds
+    a register-only innermost dimension) and one reshape, so no data moves between threads."""
+    if USE_ASM:
+        sc = _scale_16bit(s, IS_BF16)
+        if IS_BF16:
+            o = tl.inline_asm_elementwise(_ASM_BF16, "=h," * 16 + "r,r,h", [w0, w1, sc], dtype=(tl.bfloat16,) * 16,
+                                          is_pure=True, pack=1)
+        else:
+            o = tl.inline_asm_elementwise(_ASM_F16, "=h," * 16 + "r,r,h", [w0, w1, sc], dtype=(tl.float16,) * 16,
+                                          is_pure=True, pack=1)
+        o0, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, o12, o13, o14, o15 = o
+    else:
+        sf = _scale_16bit(s, False).to(tl.float32)
+        if IS_BF16:
+            sf = sf * 0.0078125
+        else:
+            sf = sf * 0.00006103515625
+        o0 = _code_value(w0, 0) * sf
+        o1 = _code_value(w0, 4) * sf
+        o2 = _code_value(w0, 8) * sf
+        o3 = _code_value(w0, 12) * sf
+        o4 = _code_value(w0, 16) * sf
+        o5 = _code_value(w0, 20) * sf
+        o6 = _code_value(w0, 24) * sf
+        o7 = _code_value(w0, 28) * sf
+        o8 = _code_value(w1, 0) * sf
+        o9 = _code_value(w1, 4) * sf
+        o10 = _code_value(w1, 8) * sf
+        o11 = _code_value(w1, 12) * sf
+        o12 = _code_value(w1, 16) * sf
+        o13 = _code_value(w1, 20) * sf
+        o14 = _code_value(w1, 24) * sf
+        o15 = _code_value(w1, 28) * sf
+    # column j = 8*i3 + 4*i2 + 2*i1 + i0; tl.join appends the fastest dimension, so join the slowest index first
+    h = tl.join(tl.join(tl.join(tl.join(o0, o8), tl.join(o4, o12)), tl.join(tl.join(o2, o10), tl.join(o6, o14))),
+                tl.join(tl.join(tl.join(o1, o9), tl.join(o5, o13)), tl.join(tl.join(o3, o11), tl.join(o7, o15))))
+    return tl.reshape(h, (w0.shape[0], w0.shape[1] * 16))
+
+
+@triton.jit
+def _opaque(w):
+    """Identity the compiler cannot see through (free after ptxas): Triton 3.6's OptimizeDotOperands otherwise
+    folds the dequantization's reshape into a shared-memory view that it cannot build for the input-gradient's
+    [BLOCK_N, BLOCK_K] operand ("Illegal shared layout")."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=w.dtype, is_pure=True, pack=2)
 
 
 @triton.jit
 def _fwd_kernel(
-    x_ptr, wp_ptr, ws_ptr, gs_ptr, y_ptr,
+    x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DEQ: tl.constexpr = 0,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, IS_BF16: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -88,50 +168,43 @@ def _fwd_kernel(
     pid_m = first_m + ((pid % group) % size_m)
     pid_n = (pid % group) // size_m
 
+    G: tl.constexpr = BLOCK_K // 16
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = rm % M  # wrapped rows/cols are loaded but never stored: no load masks on M/N
     offs_n = rn % N
     offs_k = tl.arange(0, BLOCK_K)
-    offs_k2 = tl.arange(0, BLOCK_K // 2)
-    offs_ks = tl.arange(0, BLOCK_K // 16)
+    offs_g = tl.arange(0, G)
 
     k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
     k_lo = pid_s * k_per
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-    if DEQ == 0:
-        wp_ptrs = wp_ptr + offs_n[:, None] * (K // 2) + (k_lo // 2 + offs_k2)[None, :]
-        ws_ptrs = ws_ptr + offs_n[:, None] * (K // 16) + (k_lo // 16 + offs_ks)[None, :]
-    else:
-        wp_ptrs = wp_ptr + offs_n[:, None] * (K // 2) + ((k_lo + offs_k) // 2)[None, :]
-        ws_ptrs = ws_ptr + offs_n[:, None] * (K // 16) + ((k_lo + offs_k) // 16)[None, :]
-        shift = ((offs_k & 1) * 4).to(tl.uint8)[None, :]
+    w_ptrs = wq_ptr + offs_n[:, None] * (K // 8) + (k_lo // 8 + 2 * offs_g)[None, :]
+    s_ptrs = ws_ptr + offs_n[:, None] * (K // 16) + (k_lo // 16 + offs_g)[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + k_per, K), BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs)
-            p = tl.load(wp_ptrs)
-            s = tl.load(ws_ptrs)
+            w0 = tl.load(w_ptrs)
+            w1 = tl.load(w_ptrs + 1)
+            s = tl.load(s_ptrs)
         else:
-            kin = (k0 + offs_k)[None, :] < K
-            x = tl.load(x_ptrs, mask=kin, other=0.0)
-            if DEQ == 0:
-                p = tl.load(wp_ptrs, mask=(k0 // 2 + offs_k2)[None, :] < K // 2, other=0)
-                s = tl.load(ws_ptrs, mask=(k0 // 16 + offs_ks)[None, :] < K // 16, other=0)
-            else:
-                p = tl.load(wp_ptrs, mask=kin, other=0)
-                s = tl.load(ws_ptrs, mask=kin, other=0)
-        if DEQ == 0:
-            w = _dequant_tile(p, s, BLOCK_N, BLOCK_K)
-        else:
-            w = _dequant_gathered(p, shift, s)
+            x = tl.load(x_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+            gin = (k0 // 16 + offs_g)[None, :] < K // 16
+            w0 = tl.load(w_ptrs, mask=gin, other=0)
+            w1 = tl.load(w_ptrs + 1, mask=gin, other=0)
+            s = tl.load(s_ptrs, mask=gin, other=0)
+        w = _dequant(w0, w1, s, IS_BF16, USE_ASM)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc)
         x_ptrs += BLOCK_K
-        wp_ptrs += BLOCK_K // 2
-        ws_ptrs += BLOCK_K // 16
+        w_ptrs += BLOCK_K // 8
+        s_ptrs += BLOCK_K // 16
 
-    acc = acc * (16384.0 / tl.load(gs_ptr))
+    if IS_BF16:
+        acc = acc * (128.0 / tl.load(gs_ptr))
+    else:
+        acc = acc * (16384.0 / tl.load(gs_ptr))
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT == 1:
@@ -142,10 +215,11 @@ def _fwd_kernel(
 
 @triton.jit
 def _dgrad_kernel(
-    dy_ptr, wp_ptr, ws_ptr, gs_ptr, dx_ptr,
+    dy_ptr, wq_ptr, ws_ptr, gs_ptr, dx_ptr,
     M, N, K, stride_dym, stride_dxm, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DEQ: tl.constexpr = 0,
+    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, DOT_DTYPE: tl.constexpr, IS_BF16: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     # dx[M, K] = dy[M, N] @ Ŵ[N, K]; BLOCK_K tiles the output, BLOCK_N is the reduction step.
     pid = tl.program_id(0)
@@ -158,46 +232,44 @@ def _dgrad_kernel(
     pid_m = first_m + ((pid % group) % size_m)
     pid_k = (pid % group) // size_m
 
+    G: tl.constexpr = BLOCK_K // 16
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_m = rm % M
-    offs_k2 = (pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)) % (K // 2)  # K % 16 == 0: wraps with rk
-    offs_ks = (pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)) % (K // 16)
+    offs_g = (pid_k * G + tl.arange(0, G)) % (K // 16)  # K % 16 == 0: wraps together with rk
     offs_n = tl.arange(0, BLOCK_N)
 
     n_per = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT) * BLOCK_N
     n_lo = pid_s * n_per
     dy_ptrs = dy_ptr + offs_m[:, None] * stride_dym + (n_lo + offs_n)[None, :]
-    if DEQ == 0:
-        wp_ptrs = wp_ptr + (n_lo + offs_n)[:, None] * (K // 2) + offs_k2[None, :]
-        ws_ptrs = ws_ptr + (n_lo + offs_n)[:, None] * (K // 16) + offs_ks[None, :]
-    else:
-        kk = rk % K
-        wp_ptrs = wp_ptr + (n_lo + offs_n)[:, None] * (K // 2) + (kk // 2)[None, :]
-        ws_ptrs = ws_ptr + (n_lo + offs_n)[:, None] * (K // 16) + (kk // 16)[None, :]
-        shift = ((kk & 1) * 4).to(tl.uint8)[None, :]
+    w_ptrs = wq_ptr + (n_lo + offs_n)[:, None] * (K // 8) + (2 * offs_g)[None, :]
+    s_ptrs = ws_ptr + (n_lo + offs_n)[:, None] * (K // 16) + offs_g[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for n0 in range(n_lo, tl.minimum(n_lo + n_per, N), BLOCK_N):
         if EVEN_N:
             g = tl.load(dy_ptrs)
-            p = tl.load(wp_ptrs)
-            s = tl.load(ws_ptrs)
+            w0 = tl.load(w_ptrs)
+            w1 = tl.load(w_ptrs + 1)
+            s = tl.load(s_ptrs)
         else:
-            nmask = (n0 + offs_n) < N
-            g = tl.load(dy_ptrs, mask=nmask[None, :], other=0.0)
-            p = tl.load(wp_ptrs, mask=nmask[:, None], other=0)
-            s = tl.load(ws_ptrs, mask=nmask[:, None], other=0)
-        if DEQ == 0:
-            w = _dequant_tile(p, s, BLOCK_N, BLOCK_K)
-        else:
-            w = _dequant_gathered(p, shift, s)
+            nin = (n0 + offs_n) < N
+            g = tl.load(dy_ptrs, mask=nin[None, :], other=0.0)
+            w0 = tl.load(w_ptrs, mask=nin[:, None], other=0)
+            w1 = tl.load(w_ptrs + 1, mask=nin[:, None], other=0)
+            s = tl.load(s_ptrs, mask=nin[:, None], other=0)
+        w = _dequant(w0, w1, s, IS_BF16, USE_ASM)
+        if USE_ASM:
+            w = _opaque(w)
         acc = tl.dot(g.to(DOT_DTYPE), w.to(DOT_DTYPE), acc)
         dy_ptrs += BLOCK_N
-        wp_ptrs += BLOCK_N * (K // 2)
-        ws_ptrs += BLOCK_N * (K // 16)
+        w_ptrs += BLOCK_N * (K // 8)
+        s_ptrs += BLOCK_N * (K // 16)
 
-    acc = acc * (16384.0 / tl.load(gs_ptr))
+    if IS_BF16:
+        acc = acc * (128.0 / tl.load(gs_ptr))
+    else:
+        acc = acc * (16384.0 / tl.load(gs_ptr))
     dx_ptrs = dx_ptr + rm[:, None] * stride_dxm + rk[None, :]
     mask = (rm < M)[:, None] & (rk < K)[None, :]
     if SPLIT == 1:
@@ -208,48 +280,42 @@ def _dgrad_kernel(
 
 # ----------------------------------------------------------------------------------------------- configs
 
-# DEQ=1 (gathered, reshape-free dequantization) passes the interpreter tests but has not been compiled or timed
-# on a GPU yet: opt in with QERL_NVFP4_DEQ_MODES=0,1 to let the autotuner try it.
-_DEQ_MODES = tuple(int(v) for v in os.environ.get("QERL_NVFP4_DEQ_MODES", "0").split(","))
+def _cfg(bm, bn, bk, warps, stages, split=1, group=8):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, SPLIT=split), num_warps=warps,
+                         num_stages=stages)
 
 
-def _cfg(bm, bn, bk, warps, stages, split=1, group=8, deq=0):
-    return triton.Config(
-        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, SPLIT=split, DEQ=deq), num_warps=warps,
-        num_stages=stages,
-    )
+# (BLOCK_M, weight tile rows, weight tile columns, warps, stages) for M > 64: the tensor cores bound the time,
+# so BLOCK_M is what amortizes the dequantization (each weight element costs ~3 instructions once per tile).
+_LARGE = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+          (128, 128, 128, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 4, 3),
+          (256, 128, 32, 8, 4), (128, 256, 32, 8, 4)]
 
 
 def _large_configs():
-    """M > 64 (compute-bound at training sizes): big tiles so each dequantized weight tile feeds many rows."""
-    out = []
-    for bm, bn, bk, w, s in [
-        (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-        (128, 128, 128, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (64, 128, 128, 4, 4),
-        (256, 128, 128, 8, 3), (128, 256, 128, 8, 3),
-    ]:
-        out += [_cfg(bm, bn, bk, w, s, deq=d) for d in _DEQ_MODES]
-    return out
+    """Forward: the weight tile is ``[BLOCK_N, BLOCK_K]`` (N rows, K columns)."""
+    return [_cfg(bm, rows, cols, w, s) for bm, rows, cols, w, s in _LARGE]
+
+
+def _large_dgrad_configs():
+    """Input gradient: the weight tile is ``[BLOCK_N, BLOCK_K]`` too, but BLOCK_K tiles the output."""
+    return [_cfg(bm, cols, rows, w, s) for bm, rows, cols, w, s in _LARGE]
 
 
 def _small_fwd_configs():
-    """M <= 64 forward: weight-read bound; narrow N tiles so the grid covers every SM, long K steps."""
-    out = []
-    for bn, bk, w, s in [(32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 5),
-                         (128, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 6)]:
-        for deq in _DEQ_MODES:  # BLOCK_M set from the bucket in the pruner
-            out.append(_cfg(16, bn, bk, w, s, group=1, deq=deq))
-    return out
+    """M <= 64 forward: weight-read bound; split K (fp32 atomics) and narrow N tiles so the grid covers every SM."""
+    return [_cfg(16, bn, bk, w, s, split=sp, group=1)  # BLOCK_M is set from the bucket in the pruner
+            for bn, bk, sp, w, s in [(64, 256, 1, 4, 4), (64, 256, 2, 4, 4), (32, 256, 2, 4, 4), (64, 128, 4, 4, 4),
+                                     (128, 128, 2, 4, 4), (128, 256, 1, 4, 3), (32, 512, 2, 4, 3), (64, 512, 1, 4, 3),
+                                     (128, 128, 1, 4, 4), (64, 128, 8, 4, 4)]]
 
 
 def _small_dgrad_configs():
     """M <= 64 input gradient: output is [M, K]; split the N reduction so the grid covers every SM."""
-    out = []
-    for bk, bn, split, w, s in [(64, 256, 4, 4, 4), (64, 128, 4, 4, 4), (128, 128, 2, 4, 4), (64, 256, 2, 4, 4),
-                                (128, 256, 4, 4, 3), (64, 128, 8, 4, 4), (32, 256, 2, 4, 4), (128, 128, 1, 4, 4)]:
-        for deq in _DEQ_MODES:
-            out.append(_cfg(16, bn, bk, w, s, split=split, group=1, deq=deq))
-    return out
+    return [_cfg(16, bn, bk, w, s, split=sp, group=1)
+            for bk, bn, sp, w, s in [(64, 256, 4, 4, 4), (64, 128, 4, 4, 4), (128, 128, 2, 4, 4), (64, 256, 2, 4, 4),
+                                     (128, 256, 4, 4, 3), (64, 128, 8, 4, 4), (32, 256, 2, 4, 4), (128, 128, 1, 4, 4),
+                                     (128, 64, 4, 4, 4), (256, 64, 2, 4, 4)]]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -308,8 +374,8 @@ def _tuned(kernel, configs, even_name, even_fn, reset=None):
 
 
 _fwd_large = _tuned(_fwd_kernel, _large_configs(), "EVEN_K", _even_k)
-_fwd_small = _tuned(_fwd_kernel, _small_fwd_configs(), "EVEN_K", _even_k)
-_dgrad_large = _tuned(_dgrad_kernel, _large_configs(), "EVEN_N", _even_n)
+_fwd_small = _tuned(_fwd_kernel, _small_fwd_configs(), "EVEN_K", _even_k, reset=["y_ptr"])
+_dgrad_large = _tuned(_dgrad_kernel, _large_dgrad_configs(), "EVEN_N", _even_n)
 _dgrad_small = _tuned(_dgrad_kernel, _small_dgrad_configs(), "EVEN_N", _even_n, reset=["dx_ptr"])
 
 _INTERP_CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
@@ -339,11 +405,36 @@ def _check(a, packed, scale, global_scale, inner):
 
 
 def _prep(a, packed, scale):
+    """Contiguous operands; the packed weight viewed as int32 words (8 codes each, K % 16 == 0 so rows align)."""
     if a.stride(-1) != 1:
         a = a.contiguous()
     packed = packed if packed.is_contiguous() else packed.contiguous()
+    if packed.data_ptr() % 4:  # a sliced storage; the kernels read whole 32-bit words
+        packed = packed.clone()
     scale = scale if scale.is_contiguous() else scale.contiguous()
-    return a, packed, scale.view(torch.uint8)
+    return a, packed.view(torch.int32), scale.view(torch.uint8)
+
+
+def _flags(a):
+    """Constexprs shared by both kernels: dot dtype, which 16-bit float the weight is built in, inline PTX or not."""
+    if _interpreting():  # no inline PTX, and Triton 3.9's interpreter gets bf16 dots wrong: exact fp32 instead
+        return dict(DOT_DTYPE=tl.float32, IS_BF16=a.dtype == torch.bfloat16, USE_ASM=False)
+    return dict(DOT_DTYPE=_DOT_DTYPE[a.dtype], IS_BF16=a.dtype == torch.bfloat16, USE_ASM=True)
+
+
+def _launch_pinned(kernel, a, wq, scale, global_scale, out_shape, config, even_name, even_fn, tile_n):
+    """Run ``kernel`` with one given tile config (tests, the interpreter) instead of the autotuner."""
+    M = a.shape[0]
+    split = config.get("SPLIT", 1)
+    out = torch.zeros(out_shape, device=a.device, dtype=torch.float32) if split > 1 else a.new_empty(out_shape)
+    extra = {k: v for k, v in config.items() if k in ("num_warps", "num_stages")}
+    cfg = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
+    cfg.setdefault("GROUP_M", 8)
+    cfg.setdefault("SPLIT", 1)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(out_shape[1], cfg[tile_n]), split)
+    kernel[grid](a, wq, scale, global_scale, out, M, wq.shape[0], wq.shape[1] * 8, a.stride(0), out.stride(0),
+                 m_bucket(M), **{even_name: even_fn(cfg)}, **_flags(a), **cfg, **extra)
+    return out.to(a.dtype) if split > 1 else out
 
 
 def nvfp4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -352,28 +443,20 @@ def nvfp4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     M, K = x.shape
     N = packed.shape[0]
     _check(x, packed, scale, global_scale, packed.shape[1] * 2)
-    x, packed, scale = _prep(x, packed, scale)
-    dot = _DOT_DTYPE[x.dtype]
-    if _interpreting():
-        config = config or dict(_INTERP_CFG, SPLIT=1)
-        dot = tl.float32  # Triton 3.9's interpreter gets bf16 dots wrong
-    mb = m_bucket(M)
+    x, wq, scale = _prep(x, packed, scale)
+    if _interpreting() and config is None:
+        config = dict(_INTERP_CFG, SPLIT=1)
     if config is not None:
-        split = config.get("SPLIT", 1)
-        y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else x.new_empty(M, N)
-        grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]), split)
-        extra = {k: v for k, v in config.items() if k in ("num_warps", "num_stages")}
-        cfg = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
-        cfg.setdefault("GROUP_M", 8)
-        cfg.setdefault("SPLIT", 1)
-        even = K % cfg["BLOCK_K"] == 0
-        _fwd_kernel[grid](x, packed, scale, global_scale, y, M, N, K, x.stride(0), y.stride(0), mb,
-                          EVEN_K=even, DOT_DTYPE=dot, **cfg, **extra)
-        return y.to(x.dtype) if split > 1 else y
-    y = x.new_empty(M, N)
-    kern = _fwd_small if mb <= 64 else _fwd_large
+        return _launch_pinned(_fwd_kernel, x, wq, scale, global_scale, (M, N), config, "EVEN_K",
+                              lambda c: K % c["BLOCK_K"] == 0, "BLOCK_N")
+    mb = m_bucket(M)
     grid = lambda a: (triton.cdiv(M, a["BLOCK_M"]) * triton.cdiv(N, a["BLOCK_N"]), a["SPLIT"])  # noqa: E731
-    kern[grid](x, packed, scale, global_scale, y, M, N, K, x.stride(0), y.stride(0), mb, DOT_DTYPE=dot)
+    if mb <= 64:  # split-K with fp32 atomics: the output is tiny, the weight read is what costs
+        y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
+        _fwd_small[grid](x, wq, scale, global_scale, y, M, N, K, x.stride(0), y.stride(0), mb, **_flags(x))
+        return y.to(x.dtype)
+    y = x.new_empty(M, N)
+    _fwd_large[grid](x, wq, scale, global_scale, y, M, N, K, x.stride(0), y.stride(0), mb, **_flags(x))
     return y
 
 
@@ -383,30 +466,18 @@ def nvfp4_matmul_dgrad(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
     M, N = dy.shape
     K = packed.shape[1] * 2
     _check(dy, packed, scale, global_scale, packed.shape[0])
-    dy, packed, scale = _prep(dy, packed, scale)
-    dot = _DOT_DTYPE[dy.dtype]
-    if _interpreting():
-        config = config or dict(_INTERP_CFG, SPLIT=1)
-        dot = tl.float32
-    mb = m_bucket(M)
+    dy, wq, scale = _prep(dy, packed, scale)
+    if _interpreting() and config is None:
+        config = dict(_INTERP_CFG, SPLIT=1)
     if config is not None:
-        split = config.get("SPLIT", 1)
-        dx = torch.zeros(M, K, device=dy.device, dtype=torch.float32) if split > 1 else dy.new_empty(M, K)
-        grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(K, config["BLOCK_K"]), split)
-        extra = {k: v for k, v in config.items() if k in ("num_warps", "num_stages")}
-        cfg = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
-        cfg.setdefault("GROUP_M", 8)
-        cfg.setdefault("SPLIT", 1)
-        even = N % cfg["BLOCK_N"] == 0
-        _dgrad_kernel[grid](dy, packed, scale, global_scale, dx, M, N, K, dy.stride(0), dx.stride(0), mb,
-                            EVEN_N=even, DOT_DTYPE=dot, **cfg, **extra)
-        return dx.to(dy.dtype) if split > 1 else dx
+        return _launch_pinned(_dgrad_kernel, dy, wq, scale, global_scale, (M, K), config, "EVEN_N",
+                              lambda c: N % c["BLOCK_N"] == 0, "BLOCK_K")
+    mb = m_bucket(M)
     grid = lambda a: (triton.cdiv(M, a["BLOCK_M"]) * triton.cdiv(K, a["BLOCK_K"]), a["SPLIT"])  # noqa: E731
     if mb <= 64:  # split-N with fp32 atomics: output is tiny, the weight read is what costs
         dx = torch.zeros(M, K, device=dy.device, dtype=torch.float32)
-        _dgrad_small[grid](dy, packed, scale, global_scale, dx, M, N, K, dy.stride(0), dx.stride(0), mb,
-                           DOT_DTYPE=dot)
+        _dgrad_small[grid](dy, wq, scale, global_scale, dx, M, N, K, dy.stride(0), dx.stride(0), mb, **_flags(dy))
         return dx.to(dy.dtype)
     dx = dy.new_empty(M, K)
-    _dgrad_large[grid](dy, packed, scale, global_scale, dx, M, N, K, dy.stride(0), dx.stride(0), mb, DOT_DTYPE=dot)
+    _dgrad_large[grid](dy, wq, scale, global_scale, dx, M, N, K, dy.stride(0), dx.stride(0), mb, **_flags(dy))
     return dx
