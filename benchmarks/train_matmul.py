@@ -5,7 +5,10 @@
 Forward ``y = x @ Wᵀ`` and input gradient ``dx = dy @ W`` per layer; times are medians of
 ``triton.testing.do_bench`` (CUDA events, warm-up, L2 flushed before every repeat) with weights rotated over
 several copies. Writes ``<out-dir>/train_matmul-<gpu>.json`` rows ``{layer, tokens, pass, bf16_ms, naive_ms,
-nvfp4_ms}`` (plus the ratio, the kernel's error against the fp32 reference and its tuned config).
+nvfp4_ms}``: ``naive`` is QeRL's PyTorch unpack + cuBLAS, ``nvfp4`` what ``NVFP4Linear`` runs (the dispatch in
+``qerl_trl.nvfp4.ops``). Each row also times both of our paths, ``fused_ms`` (the Triton kernels that never write
+Ŵ) and ``dequant_mm_ms`` (one Triton dequantize pass + cuBLAS), names the one dispatched (``nvfp4_path``) and
+gives the fused kernel's error against the fp32 reference and its tuned config.
 """
 
 from __future__ import annotations
@@ -75,28 +78,35 @@ def main() -> None:
             dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
             for pas in ("fwd", "dgrad"):
                 a = x if pas == "fwd" else dy
-                ours = tk.nvfp4_matmul_fwd if pas == "fwd" else tk.nvfp4_matmul_dgrad
+                fused = tk.nvfp4_matmul_fwd if pas == "fwd" else tk.nvfp4_matmul_dgrad
+                dispatched = ops.nvfp4_linear_forward if pas == "fwd" else ops.nvfp4_linear_dgrad
                 naive = ops.reference_forward if pas == "fwd" else ops.reference_dgrad
-                out = ours(a, *q)  # autotunes this (M bucket, N, K) once
+                out = fused(a, *q)  # autotunes this (M bucket, N, K) once
                 ref = a.float() @ (w_ref.t() if pas == "fwd" else w_ref)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 del out, ref
                 if pas == "fwd":
                     t_bf16 = bench([lambda W=W: a @ W.t() for W in ws])
+                    t_deq_mm = bench([lambda Q=Q: a @ tk.nvfp4_dequantize(*Q, dtype=a.dtype).t() for Q in qs])
                 else:
                     t_bf16 = bench([lambda W=W: a @ W for W in ws])
+                    t_deq_mm = bench([lambda Q=Q: a @ tk.nvfp4_dequantize(*Q, dtype=a.dtype) for Q in qs])
                 t_naive = bench([lambda Q=Q: naive(a, *Q) for Q in qs])
-                t_ours = bench([lambda Q=Q: ours(a, *Q) for Q in qs])
+                t_fused = bench([lambda Q=Q: fused(a, *Q) for Q in qs])
+                t_ours = bench([lambda Q=Q: dispatched(a, *Q) for Q in qs])
                 kern = (tk._fwd_small if m <= 64 else tk._fwd_large) if pas == "fwd" else (
                     tk._dgrad_small if m <= 64 else tk._dgrad_large)
                 cfg = getattr(kern, "best_config", None)
                 row = dict(layer=layer, tokens=m, **{"pass": pas}, bf16_ms=round(t_bf16, 5),
                            naive_ms=round(t_naive, 5), nvfp4_ms=round(t_ours, 5),
                            nvfp4_vs_bf16=round(t_ours / t_bf16, 3), naive_vs_bf16=round(t_naive / t_bf16, 3),
-                           rel_err=float(f"{err:.3g}"), N=n, K=k, config=str(cfg) if cfg else None)
+                           fused_ms=round(t_fused, 5), dequant_mm_ms=round(t_deq_mm, 5),
+                           nvfp4_path="fused" if m <= ops.fused_max_m() else "dequant_mm",
+                           rel_err=float(f"{err:.3g}"), N=n, K=k, fused_config=str(cfg) if cfg else None)
                 rows.append(row)
-                print(f"{layer:22s} M={m:5d} {pas:5s} bf16 {t_bf16:8.4f}  naive {t_naive:8.4f}  ours {t_ours:8.4f} "
-                      f"({t_ours / t_bf16:5.2f}x)  err {err:.1e}  {cfg}", flush=True)
+                print(f"{layer:20s} M={m:5d} {pas:5s} bf16 {t_bf16:7.4f} naive {t_naive:7.4f} fused {t_fused:7.4f} "
+                      f"({t_fused / t_bf16:4.2f}x) deq+mm {t_deq_mm:7.4f} ({t_deq_mm / t_bf16:4.2f}x) ours "
+                      f"{t_ours / t_bf16:4.2f}x err {err:.1e} {cfg}", flush=True)
             del x, dy
         del qs, ws, w_ref, q
         torch.cuda.empty_cache()

@@ -289,3 +289,30 @@ def test_dequant_ptx_recipe_is_exact_for_every_code_and_scale(is_bf16):
                 fp = torch.bfloat16 if is_bf16 else torch.float16
                 got = float(torch.tensor([out[j]], dtype=torch.int32).to(torch.int16).view(fp).item())
                 assert got == want, (scale, j, c, got, want)
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(16, 64), (37, 80), (5, 16)])
+def test_interp_dequantize_kernel_is_bit_identical_to_reference(dtype, n, k):
+    tk = _tk()
+    q = _weight(n, k, seed=n * k)
+    got = tk.nvfp4_dequantize(*q, dtype=dtype)
+    assert got.dtype == dtype and got.shape == (n, k)
+    assert torch.equal(got, F.dequantize(*q, dtype=dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_dequantize_kernel_bit_identical_and_large_m_dispatch(dtype):
+    tk = _tk()
+    n, k = QWEN_SHAPES["qkv"]
+    q = _weight(n, k, device="cuda", seed=11)
+    w = F.dequantize(*q, dtype=dtype)
+    assert torch.equal(tk.nvfp4_dequantize(*q, dtype=dtype), w)
+    m = ops.fused_max_m() + 1  # above the fused kernels' range: Triton dequantize + cuBLAS, same numbers as torch
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    dy = torch.randn(m, n, device="cuda", dtype=dtype)
+    assert ops.active_backend_name(x, q.weight_packed) == "triton"
+    assert torch.equal(ops.nvfp4_linear_forward(x, *q), x @ w.t())
+    assert torch.equal(ops.nvfp4_linear_dgrad(dy, *q), dy @ w)

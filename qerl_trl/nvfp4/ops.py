@@ -85,10 +85,15 @@ def _triton_available() -> bool:
 
 
 _TRITON_OK: bool | None = None
-#: Above this many rows the current Triton kernels lose to dequantize+cuBLAS (H200, benchmarks/results/
-#: train_matmul-h200.json: at 8192 tokens ours 2.3-3.5x BF16 vs naive 1.4-1.7x; at <= 2048 ours wins), so
-#: larger activations keep the reference path. Override with QERL_NVFP4_TRITON_MAX_M.
-TRITON_MAX_M_DEFAULT = 4096
+#: Up to this many rows the fused Triton kernels run (the weight read dominates); above it the Triton backend
+#: dequantizes Ŵ with one memory-bound kernel and hands it to cuBLAS, because the fused kernels cannot overlap
+#: dequantization with Hopper's asynchronous MMA and lose to cuBLAS by 2.5-3.5x there (H200,
+#: benchmarks/results/train_matmul-h200.json). Override with QERL_NVFP4_FUSED_MAX_M.
+FUSED_MAX_M_DEFAULT = 64
+
+
+def fused_max_m() -> int:
+    return int(os.environ.get("QERL_NVFP4_FUSED_MAX_M", FUSED_MAX_M_DEFAULT))
 
 
 def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
@@ -100,22 +105,24 @@ def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
         _TRITON_OK = _triton_available()
     if not _TRITON_OK:
         return False
-    if x.shape[0] > int(os.environ.get("QERL_NVFP4_TRITON_MAX_M", TRITON_MAX_M_DEFAULT)):
-        return False
     from . import triton_kernels
 
     return triton_kernels.supported(x, packed)
 
 
 def _triton_forward(x2d, packed, scale, global_scale):
-    from .triton_kernels import nvfp4_matmul_fwd
+    from .triton_kernels import nvfp4_dequantize, nvfp4_matmul_fwd
 
+    if x2d.shape[0] > fused_max_m():
+        return x2d @ nvfp4_dequantize(packed, scale, global_scale, dtype=x2d.dtype).t()
     return nvfp4_matmul_fwd(x2d, packed, scale, global_scale)
 
 
 def _triton_dgrad(dy2d, packed, scale, global_scale):
-    from .triton_kernels import nvfp4_matmul_dgrad
+    from .triton_kernels import nvfp4_dequantize, nvfp4_matmul_dgrad
 
+    if dy2d.shape[0] > fused_max_m():
+        return dy2d @ nvfp4_dequantize(packed, scale, global_scale, dtype=dy2d.dtype)
     return nvfp4_matmul_dgrad(dy2d, packed, scale, global_scale)
 
 

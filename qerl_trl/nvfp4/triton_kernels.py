@@ -99,12 +99,30 @@ def _code_value(w, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _join16(o0, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, o12, o13, o14, o15):
+    """16 ``[R, G]`` tensors (column j of each 16-group) -> ``[R, 16 G]``. Column j = 8*i3 + 4*i2 + 2*i1 + i0 and
+    tl.join appends the fastest dimension, so the slowest index is joined first; the joins only add
+    register-only dimensions and the reshape merges them, so no data moves between threads."""
+    h = tl.join(tl.join(tl.join(tl.join(o0, o8), tl.join(o4, o12)), tl.join(tl.join(o2, o10), tl.join(o6, o14))),
+                tl.join(tl.join(tl.join(o1, o9), tl.join(o5, o13)), tl.join(tl.join(o3, o11), tl.join(o7, o15))))
+    return tl.reshape(h, (o0.shape[0], o0.shape[1] * 16))
+
+
+@triton.jit
+def _dequant_f32(w0, w1, sf):
+    """Portable path: ``e2m1(code) * sf`` in fp32, ``sf`` the per-group multiplier ``[R, G]``."""
+    return _join16(_code_value(w0, 0) * sf, _code_value(w0, 4) * sf, _code_value(w0, 8) * sf,
+                   _code_value(w0, 12) * sf, _code_value(w0, 16) * sf, _code_value(w0, 20) * sf,
+                   _code_value(w0, 24) * sf, _code_value(w0, 28) * sf, _code_value(w1, 0) * sf,
+                   _code_value(w1, 4) * sf, _code_value(w1, 8) * sf, _code_value(w1, 12) * sf,
+                   _code_value(w1, 16) * sf, _code_value(w1, 20) * sf, _code_value(w1, 24) * sf,
+                   _code_value(w1, 28) * sf)
+
+
+@triton.jit
 def _dequant(w0, w1, s, IS_BF16: tl.constexpr, USE_ASM: tl.constexpr):
     """Words ``w0`` (columns 0-7 of each 16-group), ``w1`` (8-15) and scale bytes ``s``, all ``[R, G]`` ->
-    ``[R, 16 G]`` = Ŵ * global * 2**-7 (bf16) or * 2**-14 (fp16); fp32 on the portable path (interpreter).
-
-    Every step is elementwise on ``[R, G]`` tensors; the 16 columns are put in order by ``tl.join`` (which adds
-    a register-only innermost dimension) and one reshape, so no data moves between threads."""
+    ``[R, 16 G]`` = Ŵ * global * 2**-7 (bf16) or * 2**-14 (fp16); fp32 on the portable path (interpreter)."""
     if USE_ASM:
         sc = _scale_16bit(s, IS_BF16)
         if IS_BF16:
@@ -113,33 +131,40 @@ def _dequant(w0, w1, s, IS_BF16: tl.constexpr, USE_ASM: tl.constexpr):
         else:
             o = tl.inline_asm_elementwise(_ASM_F16, "=h," * 16 + "r,r,h", [w0, w1, sc], dtype=(tl.float16,) * 16,
                                           is_pure=True, pack=1)
-        o0, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, o12, o13, o14, o15 = o
+        return _join16(*o)
     else:
         sf = _scale_16bit(s, False).to(tl.float32)
         if IS_BF16:
             sf = sf * 0.0078125
         else:
             sf = sf * 0.00006103515625
-        o0 = _code_value(w0, 0) * sf
-        o1 = _code_value(w0, 4) * sf
-        o2 = _code_value(w0, 8) * sf
-        o3 = _code_value(w0, 12) * sf
-        o4 = _code_value(w0, 16) * sf
-        o5 = _code_value(w0, 20) * sf
-        o6 = _code_value(w0, 24) * sf
-        o7 = _code_value(w0, 28) * sf
-        o8 = _code_value(w1, 0) * sf
-        o9 = _code_value(w1, 4) * sf
-        o10 = _code_value(w1, 8) * sf
-        o11 = _code_value(w1, 12) * sf
-        o12 = _code_value(w1, 16) * sf
-        o13 = _code_value(w1, 20) * sf
-        o14 = _code_value(w1, 24) * sf
-        o15 = _code_value(w1, 28) * sf
-    # column j = 8*i3 + 4*i2 + 2*i1 + i0; tl.join appends the fastest dimension, so join the slowest index first
-    h = tl.join(tl.join(tl.join(tl.join(o0, o8), tl.join(o4, o12)), tl.join(tl.join(o2, o10), tl.join(o6, o14))),
-                tl.join(tl.join(tl.join(o1, o9), tl.join(o5, o13)), tl.join(tl.join(o3, o11), tl.join(o7, o15))))
-    return tl.reshape(h, (w0.shape[0], w0.shape[1] * 16))
+        return _dequant_f32(w0, w1, sf)
+
+
+@triton.jit
+def _dequant_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Dense ``Ŵ [N, K]`` in the output dtype, bit-identical to :func:`qerl_trl.nvfp4.format.dequantize`
+    (``e2m1 * (scale / global)`` in fp32, rounded once). For the large-M path: one memory-bound pass, then
+    cuBLAS."""
+    G: tl.constexpr = BLOCK_C // 16
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    grp = tl.program_id(1) * G + tl.arange(0, G)
+    mask = (rows < N)[:, None] & (grp < K // 16)[None, :]
+    w_ptrs = wq_ptr + rows[:, None] * (K // 8) + (2 * grp)[None, :]
+    w0 = tl.load(w_ptrs, mask=mask, other=0)
+    w1 = tl.load(w_ptrs + 1, mask=mask, other=0)
+    s = tl.load(ws_ptr + rows[:, None] * (K // 16) + grp[None, :], mask=mask, other=0)
+    sf = _scale_16bit(s, False).to(tl.float32) / tl.load(gs_ptr)
+    w = _dequant_f32(w0, w1, sf)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    out_ptrs = out_ptr + rows[:, None] * K + cols[None, :]
+    if out_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even by hand: the interpreter would truncate
+        bits = w.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        w = w.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, w, mask=(rows < N)[:, None] & (cols < K)[None, :])
 
 
 @triton.jit
@@ -435,6 +460,23 @@ def _launch_pinned(kernel, a, wq, scale, global_scale, out_shape, config, even_n
     kernel[grid](a, wq, scale, global_scale, out, M, wq.shape[0], wq.shape[1] * 8, a.stride(0), out.stride(0),
                  m_bucket(M), **{even_name: even_fn(cfg)}, **_flags(a), **cfg, **extra)
     return out.to(a.dtype) if split > 1 else out
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dense ``Ŵ [N, K]`` of ``dtype`` in one kernel (bit-identical to ``format.dequantize``); the large-M
+    matmuls dequantize this way and hand Ŵ to cuBLAS, where the tensor cores, not the weight read, set the time."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    if K % 16:
+        raise ValueError(f"NVFP4 dequantize: in_features {K} is not a multiple of 16")
+    _check(torch.empty(0, K, device=packed.device), packed, scale, global_scale, K)
+    dummy = torch.empty(1, 1, device=packed.device, dtype=dtype)
+    _, wq, scale = _prep(dummy, packed, scale)
+    out = torch.empty(N, K, device=packed.device, dtype=dtype)
+    block_r, block_c = (16, 64) if _interpreting() else (32, 256)
+    grid = (triton.cdiv(N, block_r), triton.cdiv(K, block_c))
+    _dequant_kernel[grid](wq, scale, global_scale, out, N, K, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out
 
 
 def nvfp4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
