@@ -101,7 +101,7 @@ def main() -> None:
                            naive_ms=round(t_naive, 5), nvfp4_ms=round(t_ours, 5),
                            nvfp4_vs_bf16=round(t_ours / t_bf16, 3), naive_vs_bf16=round(t_naive / t_bf16, 3),
                            fused_ms=round(t_fused, 5), dequant_mm_ms=round(t_deq_mm, 5),
-                           nvfp4_path="fused" if m <= ops.fused_max_m() else "dequant_mm",
+                           nvfp4_path=ops.triton_path(pas, a, *q),
                            rel_err=float(f"{err:.3g}"), N=n, K=k, fused_config=str(cfg) if cfg else None)
                 rows.append(row)
                 print(f"{layer:20s} M={m:5d} {pas:5s} bf16 {t_bf16:7.4f} naive {t_naive:7.4f} fused {t_fused:7.4f} "

@@ -310,9 +310,28 @@ def test_gpu_dequantize_kernel_bit_identical_and_large_m_dispatch(dtype):
     q = _weight(n, k, device="cuda", seed=11)
     w = F.dequantize(*q, dtype=dtype)
     assert torch.equal(tk.nvfp4_dequantize(*q, dtype=dtype), w)
-    m = ops.fused_max_m() + 1  # above the fused kernels' range: Triton dequantize + cuBLAS, same numbers as torch
+    m = ops.FUSED_CANDIDATE_MAX_M + 1  # beyond the fused kernels' range: Triton dequantize + cuBLAS, same numbers
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     dy = torch.randn(m, n, device="cuda", dtype=dtype)
     assert ops.active_backend_name(x, q.weight_packed) == "triton"
     assert torch.equal(ops.nvfp4_linear_forward(x, *q), x @ w.t())
     assert torch.equal(ops.nvfp4_linear_dgrad(dy, *q), dy @ w)
+    assert ops.triton_path("fwd", x, *q) == ops.triton_path("dgrad", dy, *q) == "dequant_mm"
+
+
+@pytest.mark.gpu
+def test_gpu_small_m_path_is_timed_once_and_can_be_forced(monkeypatch):
+    tk = _tk()
+    q = _weight(1024, 512, device="cuda", seed=5)
+    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    ops._PATHS.clear()
+    first = ops.triton_path("fwd", x, *q)
+    assert first in ("fused", "dequant_mm") and len(ops._PATHS) == 1
+    assert ops.triton_path("fwd", x[:9], *q) == first and len(ops._PATHS) == 1  # same M bucket: cached
+    y = ops.nvfp4_linear_forward(x, *q)
+    assert _rel(y, x.float() @ F.dequantize(*q, dtype=torch.float32).t()) < 6e-3
+    monkeypatch.setenv("QERL_NVFP4_FUSED_MAX_M", "0")
+    assert ops.triton_path("fwd", x, *q) == "dequant_mm"
+    monkeypatch.setenv("QERL_NVFP4_FUSED_MAX_M", "64")
+    assert ops.triton_path("fwd", x, *q) == "fused"
+    assert torch.equal(ops.nvfp4_linear_forward(x, *q), tk.nvfp4_matmul_fwd(x, *q))

@@ -85,15 +85,50 @@ def _triton_available() -> bool:
 
 
 _TRITON_OK: bool | None = None
-#: Up to this many rows the fused Triton kernels run (the weight read dominates); above it the Triton backend
-#: dequantizes Ŵ with one memory-bound kernel and hands it to cuBLAS, because the fused kernels cannot overlap
-#: dequantization with Hopper's asynchronous MMA and lose to cuBLAS by 2.5-3.5x there (H200,
-#: benchmarks/results/train_matmul-h200.json). Override with QERL_NVFP4_FUSED_MAX_M.
-FUSED_MAX_M_DEFAULT = 64
+#: Above this many rows the Triton backend always dequantizes Ŵ with one memory-bound kernel and hands it to
+#: cuBLAS: there the tensor cores set the time, and the fused kernels, which cannot overlap dequantization with
+#: Hopper's asynchronous MMA, lose to cuBLAS by 2.5-3.5x (H200, benchmarks/results/train_matmul-h200.json).
+#: At or below it, the first call per (pass, M bucket, weight shape, dtype) times both paths and keeps the faster.
+FUSED_CANDIDATE_MAX_M = 256
+_PATHS: dict[tuple, str] = {}
 
 
-def fused_max_m() -> int:
-    return int(os.environ.get("QERL_NVFP4_FUSED_MAX_M", FUSED_MAX_M_DEFAULT))
+def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                global_scale: torch.Tensor) -> str:
+    """``"fused"`` (Triton kernels that never write Ŵ) or ``"dequant_mm"`` (Triton dequantize + cuBLAS) for this
+    call. ``QERL_NVFP4_FUSED_MAX_M=<rows>`` replaces the timing with a fixed threshold (reproducible numerics)."""
+    m = a.shape[0]
+    forced = os.environ.get("QERL_NVFP4_FUSED_MAX_M")
+    if forced is not None:
+        return "fused" if m <= int(forced) else "dequant_mm"
+    if m > FUSED_CANDIDATE_MAX_M:
+        return "dequant_mm"
+    from .triton_kernels import m_bucket
+
+    key = (kind, m_bucket(m), tuple(packed.shape), a.dtype, a.device)
+    if key not in _PATHS:
+        if torch.cuda.is_current_stream_capturing():  # cannot time inside a CUDA graph capture: warm up first
+            return "fused"
+        _PATHS[key] = _time_paths(kind, a, packed, scale, global_scale)
+    return _PATHS[key]
+
+
+def _time_paths(kind, a, packed, scale, gs) -> str:
+    import triton
+
+    from . import triton_kernels as tk
+
+    fused = tk.nvfp4_matmul_fwd if kind == "fwd" else tk.nvfp4_matmul_dgrad
+    if kind == "fwd":
+        def dequant_mm():
+            return a @ tk.nvfp4_dequantize(packed, scale, gs, dtype=a.dtype).t()
+    else:
+        def dequant_mm():
+            return a @ tk.nvfp4_dequantize(packed, scale, gs, dtype=a.dtype)
+    with torch.no_grad():
+        t_fused = triton.testing.do_bench(lambda: fused(a, packed, scale, gs), warmup=5, rep=20)
+        t_dq = triton.testing.do_bench(dequant_mm, warmup=5, rep=20)
+    return "fused" if t_fused <= t_dq else "dequant_mm"
 
 
 def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
@@ -113,7 +148,7 @@ def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
 def _triton_forward(x2d, packed, scale, global_scale):
     from .triton_kernels import nvfp4_dequantize, nvfp4_matmul_fwd
 
-    if x2d.shape[0] > fused_max_m():
+    if triton_path("fwd", x2d, packed, scale, global_scale) == "dequant_mm":
         return x2d @ nvfp4_dequantize(packed, scale, global_scale, dtype=x2d.dtype).t()
     return nvfp4_matmul_fwd(x2d, packed, scale, global_scale)
 
@@ -121,7 +156,7 @@ def _triton_forward(x2d, packed, scale, global_scale):
 def _triton_dgrad(dy2d, packed, scale, global_scale):
     from .triton_kernels import nvfp4_dequantize, nvfp4_matmul_dgrad
 
-    if dy2d.shape[0] > fused_max_m():
+    if triton_path("dgrad", dy2d, packed, scale, global_scale) == "dequant_mm":
         return dy2d @ nvfp4_dequantize(packed, scale, global_scale, dtype=dy2d.dtype)
     return nvfp4_matmul_dgrad(dy2d, packed, scale, global_scale)
 
