@@ -126,8 +126,8 @@ def _time_paths(kind, a, packed, scale, gs) -> str:
         def dequant_mm():
             return a @ tk.nvfp4_dequantize(packed, scale, gs, dtype=a.dtype)
     with torch.no_grad():
-        t_fused = triton.testing.do_bench(lambda: fused(a, packed, scale, gs), warmup=5, rep=20)
-        t_dq = triton.testing.do_bench(dequant_mm, warmup=5, rep=20)
+        t_fused = triton.testing.do_bench(lambda: fused(a, packed, scale, gs), warmup=10, rep=40)
+        t_dq = triton.testing.do_bench(dequant_mm, warmup=10, rep=40)
     return "fused" if t_fused <= t_dq else "dequant_mm"
 
 

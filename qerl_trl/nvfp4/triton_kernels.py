@@ -49,7 +49,7 @@ def m_bucket(m: int) -> int:
     return b
 
 
-def _dequant_asm(is_bf16: bool) -> str:
+def _dequant_asm(is_bf16: bool, words: int = 2) -> str:
     """PTX turning two int32 words (16 E2M1 codes, column ``c`` in bits ``4c..4c+3`` of word ``c // 8``) and their
     16-bit scale into 16 scaled 16-bit floats, two columns per instruction (the Marlin trick, adapted so each
     output register holds *adjacent* columns and no repacking is needed):
@@ -62,8 +62,10 @@ def _dequant_asm(is_bf16: bool) -> str:
     """
     sh, mag = (6, "0x01C001C0") if is_bf16 else (3, "0x0E000E00")
     fma = "fma.rn.bf16x2" if is_bf16 else "fma.rn.f16x2"
-    lines = ["{", ".reg .b32 u, t, m, o, s2, z;", "mov.b32 s2, {$18, $18};", "mov.b32 z, 0x80008000;"]
-    for wi, reg in enumerate(("$16", "$17")):
+    n_out = 8 * words  # operands: outputs $0..$(n_out-1), then the words, then the 16-bit scale
+    scale = f"${n_out + words}"
+    lines = ["{", ".reg .b32 u, t, m, o, s2, z;", f"mov.b32 s2, {{{scale}, {scale}}};", "mov.b32 z, 0x80008000;"]
+    for wi, reg in enumerate(f"${n_out + i}" for i in range(words)):
         lines.append(f"shl.b32 u, {reg}, 4;")
         for b in range(4):
             sel = hex((b << 12) | ((4 + b) << 4))  # byte 1 <- u[b], byte 3 <- q[b]
@@ -77,6 +79,7 @@ def _dequant_asm(is_bf16: bool) -> str:
 
 _ASM_BF16 = tl.constexpr(_dequant_asm(True))
 _ASM_F16 = tl.constexpr(_dequant_asm(False))
+_ASM_F16_WORD = tl.constexpr(_dequant_asm(False, words=1))
 
 
 @triton.jit
@@ -142,29 +145,60 @@ def _dequant(w0, w1, s, IS_BF16: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _dequant_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _col(o, eff, dtype: tl.constexpr):
+    """One column of :func:`_dequant_kernel`'s PTX path: ``(e2m1 * 2**-14) * (scale / global * 2**14)`` in fp32,
+    which is the reference's ``e2m1 * (scale / global)`` exactly (the powers of two cancel, no extra rounding),
+    then rounded once to ``dtype``."""
+    return (o.to(tl.float32) * eff).to(dtype)
+
+
+@triton.jit
+def _dequant_rows(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, row0, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                  USE_ASM: tl.constexpr):
+    W: tl.constexpr = BLOCK_C // 8
+    rows = row0 + tl.arange(0, BLOCK_R)
+    word = tl.program_id(1) * W + tl.arange(0, W)
+    mask = (rows < N)[:, None] & (word < K // 8)[None, :]
+    q = tl.load(wq_ptr + rows[:, None] * (K // 8) + word[None, :], mask=mask, other=0)
+    s = tl.load(ws_ptr + rows[:, None] * (K // 16) + (word // 2)[None, :], mask=mask, other=0)
+    eff = _scale_16bit(s, False).to(tl.float32) / tl.load(gs_ptr)
+    od = out_ptr.dtype.element_ty
+    if USE_ASM:  # the PTX with a unit scale gives e2m1 * 2**-14 as fp16, two columns per instruction
+        o = tl.inline_asm_elementwise(_ASM_F16_WORD, "=h," * 8 + "r,h", [q, tl.full(q.shape, 1.0, tl.float16)],
+                                      dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        e = eff * 16384.0
+        c0, c1, c2, c3 = _col(o[0], e, od), _col(o[1], e, od), _col(o[2], e, od), _col(o[3], e, od)
+        c4, c5, c6, c7 = _col(o[4], e, od), _col(o[5], e, od), _col(o[6], e, od), _col(o[7], e, od)
+    else:
+        c0, c1 = _code_value(q, 0) * eff, _code_value(q, 4) * eff
+        c2, c3 = _code_value(q, 8) * eff, _code_value(q, 12) * eff
+        c4, c5 = _code_value(q, 16) * eff, _code_value(q, 20) * eff
+        c6, c7 = _code_value(q, 24) * eff, _code_value(q, 28) * eff
+    # column j = 4*i2 + 2*i1 + i0: join the slowest index first (see _join16)
+    w = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7))),
+                   (BLOCK_R, BLOCK_C))
+    if not USE_ASM:
+        if od == tl.bfloat16:  # round to nearest even by hand: the interpreter truncates
+            bits = w.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            w = w.to(od)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], w, mask=(rows < N)[:, None] & (cols < K)[None, :])
+
+
+@triton.jit
+def _dequant_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                    ROW_STEPS: tl.constexpr, USE_ASM: tl.constexpr):
     """Dense ``Ŵ [N, K]`` in the output dtype, bit-identical to :func:`qerl_trl.nvfp4.format.dequantize`
     (``e2m1 * (scale / global)`` in fp32, rounded once). For the large-M path: one memory-bound pass, then
-    cuBLAS."""
-    G: tl.constexpr = BLOCK_C // 16
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    grp = tl.program_id(1) * G + tl.arange(0, G)
-    mask = (rows < N)[:, None] & (grp < K // 16)[None, :]
-    w_ptrs = wq_ptr + rows[:, None] * (K // 8) + (2 * grp)[None, :]
-    w0 = tl.load(w_ptrs, mask=mask, other=0)
-    w1 = tl.load(w_ptrs + 1, mask=mask, other=0)
-    s = tl.load(ws_ptr + rows[:, None] * (K // 16) + grp[None, :], mask=mask, other=0)
-    sf = _scale_16bit(s, False).to(tl.float32) / tl.load(gs_ptr)
-    w = _dequant_f32(w0, w1, sf)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    out_ptrs = out_ptr + rows[:, None] * K + cols[None, :]
-    if out_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even by hand: the interpreter would truncate
-        bits = w.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        w = w.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, w, mask=(rows < N)[:, None] & (cols < K)[None, :])
+    cuBLAS. Works per 32-bit word (8 columns = one 16-byte store per thread); with one row per warp and 32 words
+    per row (BLOCK_R = num_warps, BLOCK_C = 256) the coalesced load and store layouts coincide, so no data moves
+    between threads. Each program walks ``ROW_STEPS`` such row blocks."""
+    for step in range(ROW_STEPS):
+        _dequant_rows(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, (tl.program_id(0) * ROW_STEPS + step) * BLOCK_R,
+                      BLOCK_R, BLOCK_C, USE_ASM)
 
 
 @triton.jit
@@ -404,6 +438,10 @@ _dgrad_large = _tuned(_dgrad_kernel, _large_dgrad_configs(), "EVEN_N", _even_n)
 _dgrad_small = _tuned(_dgrad_kernel, _small_dgrad_configs(), "EVEN_N", _even_n, reset=["dx_ptr"])
 
 _INTERP_CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+_dequant_tuned = triton.autotune(  # memory-bound: tile shape and warps only; keyed on the weight shape
+    configs=[triton.Config(dict(BLOCK_R=w, BLOCK_C=256, ROW_STEPS=st), num_warps=w)
+             for w, st in [(8, 4), (8, 8), (8, 16), (4, 8), (4, 16), (16, 4)]],
+    key=["N", "K"], do_bench=_bench)(_dequant_kernel)
 
 # ----------------------------------------------------------------------------------------------- entry points
 
@@ -473,9 +511,12 @@ def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: to
     dummy = torch.empty(1, 1, device=packed.device, dtype=dtype)
     _, wq, scale = _prep(dummy, packed, scale)
     out = torch.empty(N, K, device=packed.device, dtype=dtype)
-    block_r, block_c = (16, 64) if _interpreting() else (32, 256)
-    grid = (triton.cdiv(N, block_r), triton.cdiv(K, block_c))
-    _dequant_kernel[grid](wq, scale, global_scale, out, N, K, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    if _interpreting():
+        grid = (triton.cdiv(N, 8), triton.cdiv(K, 64))
+        _dequant_kernel[grid](wq, scale, global_scale, out, N, K, BLOCK_R=4, BLOCK_C=64, ROW_STEPS=2, USE_ASM=False)
+    else:
+        grid = lambda a: (triton.cdiv(N, a["BLOCK_R"] * a["ROW_STEPS"]), triton.cdiv(K, a["BLOCK_C"]))  # noqa: E731
+        _dequant_tuned[grid](wq, scale, global_scale, out, N, K, USE_ASM=dtype != torch.float32)
     return out
 
 
