@@ -446,6 +446,9 @@ _dequant_tuned = triton.autotune(  # memory-bound: tile shape and warps only; ke
 # ----------------------------------------------------------------------------------------------- entry points
 
 
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
 def supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether these kernels take this call (else ops.py uses the reference path)."""
     if not (a.is_cuda and packed.is_cuda and a.device == packed.device):
@@ -454,11 +457,14 @@ def supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
         return False
     if a.ndim != 2 or a.shape[0] == 0 or (packed.shape[1] * 2) % 16:
         return False
-    return torch.cuda.get_device_capability(a.device)[0] >= 8
+    idx = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:  # asked once per device: this runs on every matmul
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx][0] >= 8
 
 
 def _check(a, packed, scale, global_scale, inner):
-    if a.shape[-1] != inner:
+    if a is not None and a.shape[-1] != inner:
         raise ValueError(f"NVFP4 matmul: activation has {a.shape[-1]} columns, weight expects {inner}")
     if scale.shape != (packed.shape[0], packed.shape[1] // 8):
         raise ValueError(f"NVFP4 matmul: weight_scale shape {tuple(scale.shape)} does not match weight_packed "
@@ -469,7 +475,7 @@ def _check(a, packed, scale, global_scale, inner):
 
 def _prep(a, packed, scale):
     """Contiguous operands; the packed weight viewed as int32 words (8 codes each, K % 16 == 0 so rows align)."""
-    if a.stride(-1) != 1:
+    if a is not None and a.stride(-1) != 1:
         a = a.contiguous()
     packed = packed if packed.is_contiguous() else packed.contiguous()
     if packed.data_ptr() % 4:  # a sliced storage; the kernels read whole 32-bit words
@@ -507,9 +513,8 @@ def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: to
     N, K = packed.shape[0], packed.shape[1] * 2
     if K % 16:
         raise ValueError(f"NVFP4 dequantize: in_features {K} is not a multiple of 16")
-    _check(torch.empty(0, K, device=packed.device), packed, scale, global_scale, K)
-    dummy = torch.empty(1, 1, device=packed.device, dtype=dtype)
-    _, wq, scale = _prep(dummy, packed, scale)
+    _check(None, packed, scale, global_scale, K)
+    _, wq, scale = _prep(None, packed, scale)
     out = torch.empty(N, K, device=packed.device, dtype=dtype)
     if _interpreting():
         grid = (triton.cdiv(N, 8), triton.cdiv(K, 64))
