@@ -362,11 +362,11 @@ def _large_dgrad_configs():
 
 
 def _small_fwd_configs():
-    """M <= 64 forward: weight-read bound; split K (fp32 atomics) and narrow N tiles so the grid covers every SM."""
-    return [_cfg(16, bn, bk, w, s, split=sp, group=1)  # BLOCK_M is set from the bucket in the pruner
-            for bn, bk, sp, w, s in [(64, 256, 1, 4, 4), (64, 256, 2, 4, 4), (32, 256, 2, 4, 4), (64, 128, 4, 4, 4),
-                                     (128, 128, 2, 4, 4), (128, 256, 1, 4, 3), (32, 512, 2, 4, 3), (64, 512, 1, 4, 3),
-                                     (128, 128, 1, 4, 4), (64, 128, 8, 4, 4)]]
+    """M <= 64 forward: weight-read bound; narrow N tiles (the grid covers every SM without splitting K, which
+    would cost an fp32 buffer, atomics and a cast kernel), long K steps."""
+    return [_cfg(16, bn, bk, w, s, group=1)  # BLOCK_M is set from the bucket in the pruner
+            for bn, bk, w, s in [(32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 5),
+                                 (128, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 6), (64, 512, 4, 3)]]
 
 
 def _small_dgrad_configs():
@@ -433,7 +433,7 @@ def _tuned(kernel, configs, even_name, even_fn, reset=None):
 
 
 _fwd_large = _tuned(_fwd_kernel, _large_configs(), "EVEN_K", _even_k)
-_fwd_small = _tuned(_fwd_kernel, _small_fwd_configs(), "EVEN_K", _even_k, reset=["y_ptr"])
+_fwd_small = _tuned(_fwd_kernel, _small_fwd_configs(), "EVEN_K", _even_k)
 _dgrad_large = _tuned(_dgrad_kernel, _large_dgrad_configs(), "EVEN_N", _even_n)
 _dgrad_small = _tuned(_dgrad_kernel, _small_dgrad_configs(), "EVEN_N", _even_n, reset=["dx_ptr"])
 
@@ -539,12 +539,9 @@ def nvfp4_matmul_fwd(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                               lambda c: K % c["BLOCK_K"] == 0, "BLOCK_N")
     mb = m_bucket(M)
     grid = lambda a: (triton.cdiv(M, a["BLOCK_M"]) * triton.cdiv(N, a["BLOCK_N"]), a["SPLIT"])  # noqa: E731
-    if mb <= 64:  # split-K with fp32 atomics: the output is tiny, the weight read is what costs
-        y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
-        _fwd_small[grid](x, wq, scale, global_scale, y, M, N, K, x.stride(0), y.stride(0), mb, **_flags(x))
-        return y.to(x.dtype)
     y = x.new_empty(M, N)
-    _fwd_large[grid](x, wq, scale, global_scale, y, M, N, K, x.stride(0), y.stride(0), mb, **_flags(x))
+    kern = _fwd_small if mb <= 64 else _fwd_large
+    kern[grid](x, wq, scale, global_scale, y, M, N, K, x.stride(0), y.stride(0), mb, **_flags(x))
     return y
 
 
