@@ -1,27 +1,38 @@
-"""Triton NVFP4 matmuls for the training pass: ``y = x @ Ŵᵀ`` and ``dx = dy @ Ŵ`` straight from the packed weight.
+"""Triton NVFP4 kernels for the training pass: fused ``y = x @ Ŵᵀ`` / ``dx = dy @ Ŵ`` and a one-pass dequantize.
 
-The dense weight Ŵ is never written to global memory: each program loads a tile of ``weight_packed`` (uint8,
-two E2M1 codes a byte) and ``weight_scale`` (FP8 E4M3, one per 16 inputs), dequantizes it in registers and feeds
+The fused kernels never write the dense weight Ŵ to global memory: each program loads ``weight_packed`` as int32
+words (8 E2M1 codes each) and ``weight_scale`` (FP8 E4M3, one per 16 inputs), dequantizes in registers and feeds
 ``tl.dot``. The dequantization is exact, with no rounding at all:
 
-* an E2M1 code ``c`` (sign in bit 3) becomes the fp16 bit pattern ``(c & 7) << 9 | (c & 8) << 12``, which *is*
-  ``e2m1(c) * 2**-14`` (the code's two exponent bits land in fp16's exponent, 0.5 as an fp16 subnormal);
-* an E4M3 scale byte becomes ``((s & 0x7f) << 7 | (s & 0x80) << 8)`` as fp16 = ``scale * 2**-8``, times 256;
-* their product ``e2m1 * scale * 2**-14`` has at most 6 significant bits and lies in [2**-24, 0.17], so fp16
-  (and bf16, for bf16 activations) holds it exactly;
-* the per-tensor factor ``2**14 / weight_global_scale`` is applied once to the fp32 accumulator in the epilogue,
+* inline PTX (:func:`_dequant_asm`, the Marlin trick) turns two columns per instruction into 16-bit floats:
+  keeping a code's sign bit and shifting its three magnitude bits to the exponent/mantissa boundary gives
+  ``e2m1 * 2**-126`` as bf16 (or ``e2m1 * 2**-14`` as fp16), 0.5 becoming a subnormal;
+* one ``fma`` per pair multiplies by the scale, pre-shifted to ``scale * 2**119`` (bf16) or ``scale`` (fp16), so
+  the product ``e2m1 * scale`` times ``2**-7`` / ``2**-14`` (at most 6 significant bits, always a normal or an
+  exact subnormal) is held exactly;
+* the per-tensor factor ``2**7`` (or ``2**14``) ``/ weight_global_scale`` is applied once to the fp32 accumulator,
   read through a pointer (no ``.item()``, so no host sync and CUDA-graph safe).
 
 So the kernels compute ``x @ (e2m1 * scale / global)ᵀ`` with exact weights and fp32 accumulation, slightly
-*closer* to the fp32 truth than the reference path (which first rounds Ŵ to the activation dtype).
+*closer* to the fp32 truth than the reference path (which first rounds Ŵ to the activation dtype). The 16
+columns of each group are put in order by ``tl.join`` and one reshape, which only add and merge register-only
+dimensions, so no data moves between threads.
+
+Why the fused kernels are only used for small M (``qerl_trl.nvfp4.ops`` decides): Triton 3.6 stages a
+register-computed MMA operand through shared memory and waits for each wgmma before writing the next tile, so
+dequantization and the tensor cores never overlap on Hopper. Measured on an H200 (benchmarks/results/
+train_matmul-h200.json) that costs 2.5-3.5x cuBLAS at >= 2048 rows even with ~3 instructions per weight;
+the same structure with a plain bf16 weight in registers already costs 1.5-2.3x. Above the fused range,
+:func:`nvfp4_dequantize` writes Ŵ once (memory-bound, bit-identical to ``format.dequantize``) and cuBLAS runs the
+matmul, which is within 1.0-1.16x of BF16 there.
 
 Forward tiles ``[BLOCK_M, BLOCK_N]`` over ``y``; the input gradient tiles ``[BLOCK_M, BLOCK_K]`` over ``dx`` and
-reduces over N, optionally split over ``SPLIT`` programs that ``atomic_add`` into an fp32 buffer (used for small
-M only, where the weight read dominates and a plain grid would leave SMs idle). Tile configs are autotuned per
-``(M bucket, N, K)``: M is bucketed to powers of two (16 ... 4096+) so variable training batch lengths do not
-re-tune. Autotuning benchmarks on the first call of each bucket: run one warm-up step before capturing a CUDA
-graph. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors with one fixed config (Triton 3.9's interpreter
-computes bf16 ``tl.dot`` wrongly, so there the dot operands are widened to fp32; everything else is identical).
+reduces over N, for small M split over ``SPLIT`` programs that ``atomic_add`` into an fp32 buffer. Tile configs
+are autotuned per ``(M bucket, N, K)``: M is bucketed to powers of two (16 ... 4096+) so variable training batch
+lengths do not re-tune. Autotuning benchmarks on the first call of each bucket: run one warm-up step before
+capturing a CUDA graph. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors with one fixed config and a
+portable fp32 dequantization instead of the PTX (which ``tests/test_triton_kernels.py`` checks separately, with a
+small PTX interpreter); Triton 3.9's interpreter computes bf16 ``tl.dot`` wrongly, so there the dot is fp32.
 """
 
 from __future__ import annotations
