@@ -87,10 +87,9 @@ def main() -> None:
                 del out, ref
                 if pas == "fwd":
                     t_bf16 = bench([lambda W=W: a @ W.t() for W in ws])
-                    t_deq_mm = bench([lambda Q=Q: a @ tk.nvfp4_dequantize(*Q, dtype=a.dtype).t() for Q in qs])
                 else:
                     t_bf16 = bench([lambda W=W: a @ W for W in ws])
-                    t_deq_mm = bench([lambda Q=Q: a @ tk.nvfp4_dequantize(*Q, dtype=a.dtype) for Q in qs])
+                t_deq_mm = bench([lambda Q=Q: ops.dequant_matmul(pas, a, *Q) for Q in qs])
                 t_naive = bench([lambda Q=Q: naive(a, *Q) for Q in qs])
                 t_fused = bench([lambda Q=Q: fused(a, *Q) for Q in qs])
                 t_ours = bench([lambda Q=Q: dispatched(a, *Q) for Q in qs])

@@ -87,7 +87,7 @@ def _triton_available() -> bool:
 _TRITON_OK: bool | None = None
 #: Above this many rows the Triton backend always dequantizes Ŵ with one memory-bound kernel and hands it to
 #: cuBLAS: there the tensor cores set the time, and the fused kernels, which cannot overlap dequantization with
-#: Hopper's asynchronous MMA, lose to cuBLAS by 2.5-3.5x (H200, benchmarks/results/train_matmul-h200.json).
+#: Hopper's asynchronous MMA, lose to cuBLAS by 2.5-4.1x (H200, benchmarks/results/train_matmul-h200.json).
 #: At or below it, the first call per (pass, M bucket, weight shape, dtype) times both paths and keeps the faster.
 FUSED_CANDIDATE_MAX_M = 256
 _PATHS: dict[tuple, str] = {}
@@ -113,21 +113,27 @@ def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.T
     return _PATHS[key]
 
 
+def dequant_matmul(kind: str, a: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
+    """The large-M path: Triton dequantizes Ŵ in one pass, cuBLAS multiplies (``a @ Ŵᵀ`` or ``a @ Ŵ``)."""
+    from .triton_kernels import nvfp4_dequantize
+
+    w = nvfp4_dequantize(packed, scale, global_scale, dtype=a.dtype)
+    return a @ (w.t() if kind == "fwd" else w)
+
+
+def _fused(kind: str):
+    from . import triton_kernels as tk
+
+    return tk.nvfp4_matmul_fwd if kind == "fwd" else tk.nvfp4_matmul_dgrad
+
+
 def _time_paths(kind, a, packed, scale, gs) -> str:
     import triton
 
-    from . import triton_kernels as tk
-
-    fused = tk.nvfp4_matmul_fwd if kind == "fwd" else tk.nvfp4_matmul_dgrad
-    if kind == "fwd":
-        def dequant_mm():
-            return a @ tk.nvfp4_dequantize(packed, scale, gs, dtype=a.dtype).t()
-    else:
-        def dequant_mm():
-            return a @ tk.nvfp4_dequantize(packed, scale, gs, dtype=a.dtype)
+    fused = _fused(kind)
     with torch.no_grad():
         t_fused = triton.testing.do_bench(lambda: fused(a, packed, scale, gs), warmup=10, rep=40)
-        t_dq = triton.testing.do_bench(dequant_mm, warmup=10, rep=40)
+        t_dq = triton.testing.do_bench(lambda: dequant_matmul(kind, a, packed, scale, gs), warmup=10, rep=40)
     return "fused" if t_fused <= t_dq else "dequant_mm"
 
 
@@ -145,20 +151,18 @@ def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
     return triton_kernels.supported(x, packed)
 
 
-def _triton_forward(x2d, packed, scale, global_scale):
-    from .triton_kernels import nvfp4_dequantize, nvfp4_matmul_fwd
+def _triton_matmul(kind: str, a, packed, scale, global_scale):
+    if triton_path(kind, a, packed, scale, global_scale) == "dequant_mm":
+        return dequant_matmul(kind, a, packed, scale, global_scale)
+    return _fused(kind)(a, packed, scale, global_scale)
 
-    if triton_path("fwd", x2d, packed, scale, global_scale) == "dequant_mm":
-        return x2d @ nvfp4_dequantize(packed, scale, global_scale, dtype=x2d.dtype).t()
-    return nvfp4_matmul_fwd(x2d, packed, scale, global_scale)
+
+def _triton_forward(x2d, packed, scale, global_scale):
+    return _triton_matmul("fwd", x2d, packed, scale, global_scale)
 
 
 def _triton_dgrad(dy2d, packed, scale, global_scale):
-    from .triton_kernels import nvfp4_dequantize, nvfp4_matmul_dgrad
-
-    if triton_path("dgrad", dy2d, packed, scale, global_scale) == "dequant_mm":
-        return dy2d @ nvfp4_dequantize(packed, scale, global_scale, dtype=dy2d.dtype)
-    return nvfp4_matmul_dgrad(dy2d, packed, scale, global_scale)
+    return _triton_matmul("dgrad", dy2d, packed, scale, global_scale)
 
 
 register_backend(Backend(name="triton", forward=_triton_forward, dgrad=_triton_dgrad, supports=_triton_supports))
