@@ -20,14 +20,16 @@ dimensions, so no data moves between threads.
 
 Why the fused kernels are only used for small M (``qerl_trl.nvfp4.ops`` decides): Triton 3.6 stages a
 register-computed MMA operand through shared memory and waits for each wgmma before writing the next tile, so
-dequantization and the tensor cores never overlap on Hopper. Measured on an H200 (benchmarks/results/
-train_matmul-h200.json) that costs 2.5-3.5x cuBLAS at >= 2048 rows even with ~3 instructions per weight;
-the same structure with a plain bf16 weight in registers already costs 1.5-2.3x. Above the fused range,
+dequantization and the tensor cores never overlap on Hopper. Measured on an H200, that costs 2.5-4.1x cuBLAS
+at >= 2048 rows (benchmarks/results/train_matmul-h200.json), with ~3 instructions per weight. The same loop with a
+plain bf16 weight passed through registers already costs 1.5-2.5x, against 1.2-1.8x when the weight is loaded
+straight into shared memory (benchmarks/results/fused_structure-h200.json). Above the fused range,
 :func:`nvfp4_dequantize` writes Ŵ once (memory-bound, bit-identical to ``format.dequantize``) and cuBLAS runs the
 matmul, which is within 1.0-1.16x of BF16 there.
 
 Forward tiles ``[BLOCK_M, BLOCK_N]`` over ``y``; the input gradient tiles ``[BLOCK_M, BLOCK_K]`` over ``dx`` and
-reduces over N, for small M split over ``SPLIT`` programs that ``atomic_add`` into an fp32 buffer. Tile configs
+reduces over N, for small M split over ``SPLIT`` programs that ``atomic_add`` into an fp32 buffer (the forward
+kernel takes ``SPLIT`` too, but only a pinned ``config`` uses it: unsplit tiles were faster). Tile configs
 are autotuned per ``(M bucket, N, K)``: M is bucketed to powers of two (16 ... 4096+) so variable training batch
 lengths do not re-tune. Autotuning benchmarks on the first call of each bucket: run one warm-up step before
 capturing a CUDA graph. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors with one fixed config and a
