@@ -8,7 +8,8 @@ several copies. Writes ``<out-dir>/train_matmul-<gpu>.json`` rows ``{layer, toke
 nvfp4_ms}``: ``naive`` is QeRL's PyTorch unpack + cuBLAS, ``nvfp4`` what ``NVFP4Linear`` runs (the dispatch in
 ``qerl_trl.nvfp4.ops``). Each row also times both of our paths, ``fused_ms`` (the Triton kernels that never write
 Ŵ) and ``dequant_mm_ms`` (one Triton dequantize pass + cuBLAS), names the one dispatched (``nvfp4_path``) and
-gives the fused kernel's error against the fp32 reference and its tuned config.
+gives the fused kernel's error against the fp32 reference and its tuned config. On Hopper it also times the
+warp-specialized Gluon kernels (``ws_ms``, never write Ŵ either) with their per-M default config.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks._common import gpu_tag, result_envelope  # noqa: E402
 from qerl_trl.nvfp4 import format as F  # noqa: E402
 from qerl_trl.nvfp4 import ops  # noqa: E402
+from qerl_trl.nvfp4 import gluon_kernels as gk  # noqa: E402
 from qerl_trl.nvfp4 import triton_kernels as tk  # noqa: E402
 
 SHAPES = {  # layer -> (N = out_features, K = in_features)
@@ -93,6 +95,13 @@ def main() -> None:
                 t_naive = bench([lambda Q=Q: naive(a, *Q) for Q in qs])
                 t_fused = bench([lambda Q=Q: fused(a, *Q) for Q in qs])
                 t_ours = bench([lambda Q=Q: dispatched(a, *Q) for Q in qs])
+                t_ws = ws_err = None
+                if gk.supported(a, q.weight_packed, q.weight_scale):
+                    ws = gk.nvfp4_matmul_fwd_ws if pas == "fwd" else gk.nvfp4_matmul_dgrad_ws
+                    ref = a.float() @ (w_ref.t() if pas == "fwd" else w_ref)
+                    ws_err = ((ws(a, *q).float() - ref).norm() / ref.norm()).item()
+                    del ref
+                    t_ws = bench([lambda Q=Q: ws(a, *Q) for Q in qs])
                 kern = (tk._fwd_small if m <= 64 else tk._fwd_large) if pas == "fwd" else (
                     tk._dgrad_small if m <= 64 else tk._dgrad_large)
                 cfg = getattr(kern, "best_config", None)
@@ -100,6 +109,9 @@ def main() -> None:
                            naive_ms=round(t_naive, 5), nvfp4_ms=round(t_ours, 5),
                            nvfp4_vs_bf16=round(t_ours / t_bf16, 3), naive_vs_bf16=round(t_naive / t_bf16, 3),
                            fused_ms=round(t_fused, 5), dequant_mm_ms=round(t_deq_mm, 5),
+                           ws_ms=None if t_ws is None else round(t_ws, 5),
+                           ws_vs_bf16=None if t_ws is None else round(t_ws / t_bf16, 3),
+                           ws_rel_err=None if ws_err is None else float(f"{ws_err:.3g}"),
                            nvfp4_path=ops.triton_path(pas, a, *q),
                            rel_err=float(f"{err:.3g}"), N=n, K=k, fused_config=str(cfg) if cfg else None)
                 rows.append(row)

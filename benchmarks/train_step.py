@@ -2,8 +2,10 @@
 
     python benchmarks/train_step.py [--out-dir benchmarks/results] [--batch 8 --seq 2304 --steps 5]
 
-Configs: ``nvfp4`` (NVFP4Linear base, Triton kernels), ``bf16`` (frozen BF16 nn.Linear base), ``nvfp4-naive``
-(NVFP4Linear with ``QERL_NVFP4_BACKEND=reference``: dequantize + matmul every call, as the published QeRL code).
+Configs: ``nvfp4`` (NVFP4Linear base, our kernels, fastest path per matmul), ``nvfp4-no-dense`` (the same with
+``QERL_NVFP4_NO_DENSE_WEIGHT=1``: only kernels that never write Ŵ to global memory), ``bf16`` (frozen BF16
+nn.Linear base), ``nvfp4-naive`` (NVFP4Linear with ``QERL_NVFP4_BACKEND=reference``: dequantize + matmul every
+call, as the published QeRL code).
 Gradient checkpointing on each layer (``torch.utils.checkpoint``, non-reentrant), sdpa attention, bf16.
 The LoRA here is a plain ``base(x) + scale * (x @ Aᵀ) @ Bᵀ`` wrapper, identical for all three configs (the PEFT
 LoRA layer for NVFP4Linear, qerl_trl/peft_lora.py, was not available when this was written); it adds the same
@@ -26,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks._common import gpu_tag, result_envelope  # noqa: E402
+from qerl_trl.nvfp4 import ops  # noqa: E402
 from qerl_trl.nvfp4.format import compute_global_scale  # noqa: E402
 from qerl_trl.nvfp4.linear import NVFP4Linear  # noqa: E402
 
@@ -90,7 +93,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2304)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--configs", nargs="+", default=["bf16", "nvfp4", "nvfp4-naive"])
+    ap.add_argument("--configs", nargs="+", default=["bf16", "nvfp4", "nvfp4-no-dense", "nvfp4-naive"])
     args = ap.parse_args()
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
@@ -104,6 +107,7 @@ def main() -> None:
     rows = []
     for cfg in args.configs:
         os.environ["QERL_NVFP4_BACKEND"] = "reference" if cfg == "nvfp4-naive" else "auto"
+        os.environ[ops.NO_DENSE_ENV] = "1" if cfg == "nvfp4-no-dense" else "0"
         layers = build(config, "bf16" if cfg == "bf16" else "nvfp4", args.layers)
         torch.manual_seed(1)
         hidden = torch.randn(args.batch, args.seq, config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -130,6 +134,7 @@ def main() -> None:
         del layers, hidden
         torch.cuda.empty_cache()
     os.environ.pop("QERL_NVFP4_BACKEND", None)
+    os.environ.pop(ops.NO_DENSE_ENV, None)
     base = {r["config"]: r for r in rows}
     if "bf16" in base:
         for r in rows:

@@ -284,6 +284,9 @@ def test_dequant_ptx_recipe_is_exact_for_every_code_and_scale(is_bf16):
             w0 = sum(c << (4 * j) for j, c in enumerate(codes[:8]))
             w1 = sum(c << (4 * j) for j, c in enumerate(codes[8:]))
             out = _run_ptx(asm, {16: w0, 17: w1, 18: s_bits})
+            pairs = _run_ptx(tk._dequant_asm(is_bf16, pairs=True), {8: w0, 9: w1, 10: s_bits})
+            for j in range(8):  # the 32-bit variant (Gluon kernels): columns 2j, 2j+1 in one register
+                assert pairs[j] == out[2 * j] | out[2 * j + 1] << 16, (scale, j)
             for j, c in enumerate(codes):
                 want = (-1.0 if c & 8 else 1.0) * e2m1[c & 7] * scale * (2.0**-7 if is_bf16 else 2.0**-14)
                 fp = torch.bfloat16 if is_bf16 else torch.float16
@@ -304,8 +307,9 @@ def test_interp_dequantize_kernel_is_bit_identical_to_reference(dtype, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_dequantize_kernel_bit_identical_and_large_m_dispatch(dtype):
+def test_gpu_dequantize_kernel_bit_identical_and_large_m_dispatch(dtype, monkeypatch):
     tk = _tk()
+    monkeypatch.setenv("QERL_NVFP4_FUSED_MAX_M", str(ops.FUSED_CANDIDATE_MAX_M))  # fixed rule, no timing
     n, k = QWEN_SHAPES["qkv"]
     q = _weight(n, k, device="cuda", seed=11)
     w = F.dequantize(*q, dtype=dtype)
@@ -326,7 +330,7 @@ def test_gpu_small_m_path_is_timed_once_and_can_be_forced(monkeypatch):
     x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
     ops._PATHS.clear()
     first = ops.triton_path("fwd", x, *q)
-    assert first in ("fused", "dequant_mm") and len(ops._PATHS) == 1
+    assert first in ("ws", "fused", "dequant_mm") and len(ops._PATHS) == 1
     assert ops.triton_path("fwd", x[:9], *q) == first and len(ops._PATHS) == 1  # same M bucket: cached
     y = ops.nvfp4_linear_forward(x, *q)
     assert _rel(y, x.float() @ F.dequantize(*q, dtype=torch.float32).t()) < 6e-3

@@ -85,31 +85,53 @@ def _triton_available() -> bool:
 
 
 _TRITON_OK: bool | None = None
-#: Above this many rows the Triton backend always dequantizes Ŵ with one memory-bound kernel and hands it to
-#: cuBLAS: there the tensor cores set the time, and the fused kernels, which cannot overlap dequantization with
-#: Hopper's asynchronous MMA, lose to cuBLAS by 2.5-4.1x (H200, benchmarks/results/train_matmul-h200.json).
-#: At or below it, the first call per (pass, M bucket, weight shape, dtype) times both paths and keeps the faster.
+#: The Triton fused kernels are a candidate up to this many rows; above it they lose to every other path
+#: (2.5-4.1x cuBLAS at >= 2048 rows on an H200, benchmarks/results/train_matmul-h200.json).
 FUSED_CANDIDATE_MAX_M = 256
+#: Set to 1 to never materialize the dense Ŵ, not even transiently (the ``dequant_mm`` path writes one layer's
+#: 16-bit Ŵ to global memory and frees it after the matmul): only kernels that dequantize on chip are used.
+NO_DENSE_ENV = "QERL_NVFP4_NO_DENSE_WEIGHT"
 _PATHS: dict[tuple, str] = {}
+
+
+def _candidates(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> list[str]:
+    """Paths that can run this call, in order of preference when they cannot be timed (CUDA-graph capture):
+    ``ws`` (Hopper Gluon kernels), ``fused`` (Triton kernels), ``dequant_mm`` (Triton dequantize + cuBLAS)."""
+    from . import gluon_kernels as gk
+
+    m = a.shape[0]
+    out = []
+    if gk.supported(a, packed, scale):
+        out.append("ws")
+    if m <= FUSED_CANDIDATE_MAX_M:
+        out.append("fused")
+    if os.environ.get(NO_DENSE_ENV, "0") != "1":
+        out.append("dequant_mm")
+    return out or ["fused"]  # no dense Ŵ allowed and no Hopper kernel: the Triton kernels take any M
 
 
 def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 global_scale: torch.Tensor) -> str:
-    """``"fused"`` (Triton kernels that never write Ŵ) or ``"dequant_mm"`` (Triton dequantize + cuBLAS) for this
-    call. ``QERL_NVFP4_FUSED_MAX_M=<rows>`` replaces the timing with a fixed threshold (reproducible numerics)."""
+    """``"ws"`` (warp-specialized Gluon kernels, sm_90), ``"fused"`` (Triton kernels) or ``"dequant_mm"``
+    (Triton dequantize + cuBLAS) for this call. The first call per (pass, M bucket, weight shape, dtype) times
+    the candidates and keeps the fastest. ``QERL_NVFP4_FUSED_MAX_M=<rows>`` replaces the timing with a fixed
+    rule (Triton fused kernels up to that many rows, dequantize + cuBLAS above; reproducible numerics) and
+    ``QERL_NVFP4_NO_DENSE_WEIGHT=1`` drops ``dequant_mm``."""
     m = a.shape[0]
     forced = os.environ.get("QERL_NVFP4_FUSED_MAX_M")
     if forced is not None:
         return "fused" if m <= int(forced) else "dequant_mm"
-    if m > FUSED_CANDIDATE_MAX_M:
-        return "dequant_mm"
     from .triton_kernels import m_bucket
 
-    key = (kind, m_bucket(m), tuple(packed.shape), a.dtype, a.device)
+    key = (kind, m_bucket(m), tuple(packed.shape), a.dtype, a.device, os.environ.get(NO_DENSE_ENV, "0"))
     if key not in _PATHS:
-        if torch.cuda.is_current_stream_capturing():  # cannot time inside a CUDA graph capture: warm up first
-            return "fused"
-        _PATHS[key] = _time_paths(kind, a, packed, scale, global_scale)
+        cands = _candidates(a, packed, scale)
+        if len(cands) == 1:
+            _PATHS[key] = cands[0]
+        elif torch.cuda.is_current_stream_capturing():  # cannot time inside a CUDA graph capture: warm up first
+            return cands[0]
+        else:
+            _PATHS[key] = _time_paths(kind, a, packed, scale, global_scale, cands)
     return _PATHS[key]
 
 
@@ -121,20 +143,29 @@ def dequant_matmul(kind: str, a: torch.Tensor, packed, scale, global_scale) -> t
     return a @ (w.t() if kind == "fwd" else w)
 
 
-def _fused(kind: str):
+def _path_fn(kind: str, path: str) -> MatmulFn:
+    if path == "dequant_mm":
+        return lambda a, p, s, g: dequant_matmul(kind, a, p, s, g)
+    if path == "ws":
+        from . import gluon_kernels as gk
+
+        return gk.nvfp4_matmul_fwd_ws if kind == "fwd" else gk.nvfp4_matmul_dgrad_ws
     from . import triton_kernels as tk
 
     return tk.nvfp4_matmul_fwd if kind == "fwd" else tk.nvfp4_matmul_dgrad
 
 
-def _time_paths(kind, a, packed, scale, gs) -> str:
+def _time_paths(kind, a, packed, scale, gs, candidates) -> str:
     import triton
 
-    fused = _fused(kind)
+    best, best_t = candidates[0], float("inf")
     with torch.no_grad():
-        t_fused = triton.testing.do_bench(lambda: fused(a, packed, scale, gs), warmup=10, rep=40)
-        t_dq = triton.testing.do_bench(lambda: dequant_matmul(kind, a, packed, scale, gs), warmup=10, rep=40)
-    return "fused" if t_fused <= t_dq else "dequant_mm"
+        for path in candidates:
+            fn = _path_fn(kind, path)
+            t = triton.testing.do_bench(lambda: fn(a, packed, scale, gs), warmup=10, rep=40)
+            if t < best_t:
+                best, best_t = path, t
+    return best
 
 
 def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
@@ -152,9 +183,7 @@ def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
 
 
 def _triton_matmul(kind: str, a, packed, scale, global_scale):
-    if triton_path(kind, a, packed, scale, global_scale) == "dequant_mm":
-        return dequant_matmul(kind, a, packed, scale, global_scale)
-    return _fused(kind)(a, packed, scale, global_scale)
+    return _path_fn(kind, triton_path(kind, a, packed, scale, global_scale))(a, packed, scale, global_scale)
 
 
 def _triton_forward(x2d, packed, scale, global_scale):

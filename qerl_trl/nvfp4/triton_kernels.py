@@ -62,7 +62,7 @@ def m_bucket(m: int) -> int:
     return b
 
 
-def _dequant_asm(is_bf16: bool, words: int = 2) -> str:
+def _dequant_asm(is_bf16: bool, words: int = 2, pairs: bool = False) -> str:
     """PTX turning two int32 words (16 E2M1 codes, column ``c`` in bits ``4c..4c+3`` of word ``c // 8``) and their
     16-bit scale into 16 scaled 16-bit floats, two columns per instruction (the Marlin trick, adapted so each
     output register holds *adjacent* columns and no repacking is needed):
@@ -72,10 +72,14 @@ def _dequant_asm(is_bf16: bool, words: int = 2) -> str:
     16-bit half. Keeping the sign bit and shifting the 3 magnitude bits down into the exponent/mantissa boundary
     gives ``e2m1 * 2**-126`` (bf16) or ``e2m1 * 2**-14`` (fp16) exactly (0.5 becomes a subnormal), and one
     ``fma`` per pair applies the scale.
+
+    ``pairs=True`` returns each register whole (``4 * words`` 32-bit outputs, columns ``2j`` and ``2j+1`` in the
+    low and high half of output ``j``) instead of 16-bit halves, so a kernel that stores the pairs to shared
+    memory as 32-bit words needs no repacking moves.
     """
     sh, mag = (6, "0x01C001C0") if is_bf16 else (3, "0x0E000E00")
     fma = "fma.rn.bf16x2" if is_bf16 else "fma.rn.f16x2"
-    n_out = 8 * words  # operands: outputs $0..$(n_out-1), then the words, then the 16-bit scale
+    n_out = 4 * words if pairs else 8 * words  # operands: outputs, then the words, then the 16-bit scale
     scale = f"${n_out + words}"
     lines = ["{", ".reg .b32 u, t, m, o, s2, z;", f"mov.b32 s2, {{{scale}, {scale}}};", "mov.b32 z, 0x80008000;"]
     for wi, reg in enumerate(f"${n_out + i}" for i in range(words)):
@@ -85,7 +89,7 @@ def _dequant_asm(is_bf16: bool, words: int = 2) -> str:
             lines += [f"prmt.b32 t, {reg}, u, {sel};", f"shr.b32 m, t, {sh};", f"and.b32 m, m, {mag};",
                       "lop3.b32 t, t, 0x80008000, m, 0xEA;",  # (t & sign) | m
                       f"{fma} o, t, s2, z;",  # * scale (+ -0.0 keeps the product's sign and exactness)
-                      f"mov.b32 {{${8 * wi + 2 * b}, ${8 * wi + 2 * b + 1}}}, o;"]
+                      f"mov.b32 ${4 * wi + b}, o;" if pairs else f"mov.b32 {{${8 * wi + 2 * b}, ${8 * wi + 2 * b + 1}}}, o;"]
     lines.append("}")
     return "\n".join(lines)
 

@@ -1,0 +1,377 @@
+"""Hopper (sm_90) NVFP4 matmuls for the training pass, written in Gluon with warp specialization.
+
+``y = x @ Ŵᵀ`` and ``dx = dy @ Ŵ`` straight from ``weight_packed`` / ``weight_scale`` / ``weight_global_scale``;
+Ŵ never reaches global memory. Why Gluon and not plain Triton: Triton 3.6 stages a register-made MMA operand
+through shared memory and waits on each wgmma, so dequantization and the tensor cores run one after the other
+(``benchmarks/results/fused_structure-h200.json``). Here the two are separate warp groups that run at the same
+time, the way CUTLASS's mixed-input GEMMs work:
+
+* a **producer** partition (4 warps) reads packed words and scales from global memory (prefetched two steps
+  ahead in registers), dequantizes with the same exact PTX as ``triton_kernels`` (two columns per
+  instruction), stores the 16-bit tile into a shared-memory ring in the wgmma layout and issues the TMA load of
+  the matching activation tile;
+* the **default** partition (4 or 8 warps) only waits on mbarriers and issues asynchronous wgmmas from the ring,
+  keeping one in flight, then scales the fp32 accumulator by ``2**7 / global`` (bf16) or ``2**14 / global``
+  (fp16) and stores it.
+
+Each weight element is dequantized once per ``BLOCK_M`` rows of activations, so the ALU cost per MMA flop is
+fixed while the tensor cores stay busy. No host syncs (the global scale is read through a pointer) and no
+per-call allocation beyond the output, so the kernels are CUDA-graph safe. Small M splits the reduction over
+``SPLIT`` programs that add fp32 partial sums atomically.
+
+Written against Triton 3.6's Gluon API (``triton.experimental.gluon``); :func:`available` says whether it
+imports, and everything else (CPU, the interpreter, other GPUs, other Triton versions) uses
+``triton_kernels``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Gluon is experimental: keep every import failure local to this module
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _IMPORT_ERROR: Exception | None = None
+except Exception as e:  # pragma: no cover - depends on the installed Triton
+    _IMPORT_ERROR = e
+
+from .triton_kernels import _dequant_asm
+
+__all__ = ["available", "supported", "nvfp4_matmul_fwd_ws", "nvfp4_matmul_dgrad_ws"]
+
+
+#: Gluon's API is experimental and changes between Triton releases; these kernels were written against 3.6.
+WRITTEN_FOR_TRITON = "3.6"
+
+
+def available() -> bool:
+    """Gluon imports, the Triton version is the one these kernels were written for (``QERL_NVFP4_GLUON=1``
+    tries another one), we are not interpreting, and the user did not turn them off (``QERL_NVFP4_GLUON=0``)."""
+    flag = os.environ.get("QERL_NVFP4_GLUON", "auto")
+    if _IMPORT_ERROR is not None or flag == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return flag == "1" or triton.__version__.startswith(WRITTEN_FOR_TRITON + ".")
+
+
+if _IMPORT_ERROR is None:
+    _ASM_BF16 = gl.constexpr(_dequant_asm(True, pairs=True))
+    _ASM_F16 = gl.constexpr(_dequant_asm(False, pairs=True))
+
+    @gluon.jit
+    def _scale_16bit(s):
+        """E4M3 code (int32, 0..255) -> the fp16 bit pattern of ``scale * 2**-8`` (E4M3 subnormals map to fp16
+        subnormals), as fp32."""
+        bits = ((s & 0x7F) << 7) | ((s & 0x80) << 8)
+        return bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+
+    @gluon.jit
+    def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
+        """8 ``[R, G]`` tensors (column pair j of each 16-group) -> ``[R, 8 G]``. Pair j = 4*i2 + 2*i1 + i0 and
+        gl.join appends the fastest dimension, so the slowest index is joined first; the joins only add
+        register-only dimensions and the reshape merges them, so no data moves between threads."""
+        h = gl.join(gl.join(gl.join(o0, o4), gl.join(o2, o6)), gl.join(gl.join(o1, o5), gl.join(o3, o7)))
+        return gl.reshape(h, [o0.shape[0], o0.shape[1] * 8])
+
+    @gluon.jit
+    def _dequant_tile(q, s, IS_BF16: gl.constexpr):
+        """``q [R, C/8]`` int32 words, ``s [R, C/64]`` int32 scale words -> ``[R, C/2]`` int32, each the 16-bit
+        pair (columns 2j, 2j+1) of ``e2m1 * scale * 2**-7`` (bf16) or ``* 2**-14`` (fp16), exact, all in
+        registers."""
+        R: gl.constexpr = q.shape[0]
+        G: gl.constexpr = q.shape[1] // 2
+        w0, w1 = gl.split(gl.reshape(q, [R, G, 2]))
+        b0 = _scale_16bit(s & 0xFF)
+        b1 = _scale_16bit((s >> 8) & 0xFF)
+        b2 = _scale_16bit((s >> 16) & 0xFF)
+        b3 = _scale_16bit((s >> 24) & 0xFF)
+        sf = gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [R, G])
+        sf = gl.convert_layout(sf, w0.type.layout)
+        if IS_BF16:
+            sc = (sf * 2.0**127).to(gl.bfloat16)
+            o = gl.inline_asm_elementwise(_ASM_BF16, "=r," * 8 + "r,r,h", [w0, w1, sc],
+                                          dtype=(gl.int32,) * 8, is_pure=True, pack=1)
+        else:
+            sc = (sf * 256.0).to(gl.float16)
+            o = gl.inline_asm_elementwise(_ASM_F16, "=r," * 8 + "r,r,h", [w0, w1, sc],
+                                          dtype=(gl.int32,) * 8, is_pure=True, pack=1)
+        return _join8(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7])
+
+    @gluon.jit
+    def _producer(a_desc, wq_ptr, ws_ptr, a_bufs, w_bufs, ready, empty, off_m, off_out, step0, n_steps,
+                  N, K, IS_FWD: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr,
+                  S_LAYOUT: gl.constexpr, W_SMEM32: gl.constexpr, EVEN: gl.constexpr):
+        """Dequantize weight tiles into the ring and issue the activation TMA for the same stage."""
+        STAGES: gl.constexpr = w_bufs.shape[0]
+        WR: gl.constexpr = w_bufs.shape[1]
+        WC: gl.constexpr = w_bufs.shape[2]
+        BLOCK_RED: gl.constexpr = a_bufs.shape[2]
+        r_w = gl.arange(0, WR, layout=gl.SliceLayout(1, W_LAYOUT))
+        c_w = gl.arange(0, WC // 8, layout=gl.SliceLayout(0, W_LAYOUT))
+        r_s = gl.arange(0, WR, layout=gl.SliceLayout(1, S_LAYOUT))
+        c_s = gl.arange(0, WC // 64, layout=gl.SliceLayout(0, S_LAYOUT))
+        if IS_FWD:  # tile = rows off_out.., columns along the reduction (K)
+            q_ptrs = wq_ptr + (off_out + r_w)[:, None] * (K // 8) + (step0 * (WC // 8) + c_w)[None, :]
+            s_ptrs = ws_ptr + (off_out + r_s)[:, None] * (K // 64) + (step0 * (WC // 64) + c_s)[None, :]
+            q_step = WC // 8
+            s_step = WC // 64
+        else:  # tile = rows along the reduction (N), columns off_out..
+            q_ptrs = wq_ptr + (step0 * WR + r_w)[:, None] * (K // 8) + (off_out // 8 + c_w)[None, :]
+            s_ptrs = ws_ptr + (step0 * WR + r_s)[:, None] * (K // 64) + (off_out // 64 + c_s)[None, :]
+            q_step = WR * (K // 8)
+            s_step = WR * (K // 64)
+
+        # two steps of prefetch in registers: global latency is hidden behind two dequantizations
+        q0, s0 = _load_masked(q_ptrs, s_ptrs, r_w, c_w, r_s, c_s, off_out, step0, step0 + n_steps, N, K,
+                              WR, WC, IS_FWD, EVEN)
+        q1, s1 = _load_masked(q_ptrs + q_step, s_ptrs + s_step, r_w, c_w, r_s, c_s, off_out, step0 + 1,
+                              step0 + n_steps, N, K, WR, WC, IS_FWD, EVEN)
+        for i in range(n_steps):
+            q, s = q0, s0
+            q0, s0 = q1, s1
+            q1, s1 = _load_masked(q_ptrs + (i + 2) * q_step, s_ptrs + (i + 2) * s_step, r_w, c_w, r_s, c_s,
+                                  off_out, step0 + i + 2, step0 + n_steps, N, K, WR, WC, IS_FWD, EVEN)
+            st = i % STAGES
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            # the activation load first, so its latency overlaps this step's dequantization
+            mbarrier.expect(ready.index(st), a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, (step0 + i) * BLOCK_RED], ready.index(st),
+                                            a_bufs.index(st))
+            w = _dequant_tile(q, s, IS_BF16)
+            w_bufs.index(st)._reinterpret(gl.int32, [WR, WC // 2], W_SMEM32).store(w)
+            fence_async_shared()
+            mbarrier.arrive(ready.index(st), count=1)
+
+    @gluon.jit
+    def _load_masked(q_ptrs, s_ptrs, r_w, c_w, r_s, c_s, off_out, step, step_end, N, K, WR: gl.constexpr,
+                     WC: gl.constexpr, IS_FWD: gl.constexpr, EVEN: gl.constexpr):
+        """One step's packed and scale words; out-of-range rows/columns and steps past the end read as 0.
+        ``EVEN``: the tiles divide the weight, so only the step count needs a (uniform) predicate."""
+        live = step < step_end
+        if EVEN:
+            q = gl.load(q_ptrs, mask=gl.full(q_ptrs.shape, 1, gl.int1, q_ptrs.type.layout) & live, other=0)
+            s = gl.load(s_ptrs, mask=gl.full(s_ptrs.shape, 1, gl.int1, s_ptrs.type.layout) & live, other=0)
+        else:
+            if IS_FWD:
+                qm = ((off_out + r_w) < N)[:, None] & ((step * (WC // 8) + c_w) < K // 8)[None, :]
+                sm = ((off_out + r_s) < N)[:, None] & ((step * (WC // 64) + c_s) < K // 64)[None, :]
+            else:
+                qm = ((step * WR + r_w) < N)[:, None] & ((off_out // 8 + c_w) < K // 8)[None, :]
+                sm = ((step * WR + r_s) < N)[:, None] & ((off_out // 64 + c_s) < K // 64)[None, :]
+            q = gl.load(q_ptrs, mask=qm & live, other=0)
+            s = gl.load(s_ptrs, mask=sm & live, other=0)
+        return q, s
+
+    @gluon.jit
+    def _mma(a_bufs, w_bufs, ready, empty, n_steps, IS_FWD: gl.constexpr, ACC_LAYOUT: gl.constexpr):
+        """Default partition: asynchronous wgmmas over the ring, one kept in flight; returns the fp32 tile."""
+        STAGES: gl.constexpr = w_bufs.shape[0]
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        if IS_FWD:
+            BLOCK_OUT: gl.constexpr = w_bufs.shape[1]
+        else:
+            BLOCK_OUT: gl.constexpr = w_bufs.shape[2]
+        acc = gl.zeros([BLOCK_M, BLOCK_OUT], gl.float32, layout=ACC_LAYOUT)
+        for i in range(n_steps):
+            st = i % STAGES
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            if IS_FWD:
+                b = w_bufs.index(st).permute((1, 0))
+            else:
+                b = w_bufs.index(st)
+            acc = warpgroup_mma(a_bufs.index(st), b, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the wgmma of step i-1 has finished: its stage may be refilled
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return (acc,)  # warp_specialize returns the default partition's results as a tuple
+
+    @gluon.jit
+    def _ws_kernel(a_desc, wq_ptr, ws_ptr, gs_ptr, out_ptr, M, N, K, stride_om, steps_per_split,
+                   IS_FWD: gl.constexpr, IS_BF16: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
+                   STAGES: gl.constexpr, WR: gl.constexpr, WC: gl.constexpr,
+                   W_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, W_SMEM: gl.constexpr, W_SMEM32: gl.constexpr,
+                   ACC_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, EVEN: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_RED: gl.constexpr = a_desc.block_type.shape[1]
+        if IS_FWD:
+            BLOCK_OUT: gl.constexpr = WR
+            OUT = N
+            RED = K
+        else:
+            BLOCK_OUT: gl.constexpr = WC
+            OUT = K
+            RED = N
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_o = gl.cdiv(OUT, BLOCK_OUT)
+        group = GROUP_M * num_pid_o
+        first_m = (pid // group) * GROUP_M
+        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % group) % size_m)
+        pid_o = (pid % group) // size_m
+        off_m = pid_m * BLOCK_M
+        off_out = pid_o * BLOCK_OUT
+
+        total = gl.cdiv(RED, BLOCK_RED)
+        step0 = gl.program_id(1) * steps_per_split
+        n_steps = gl.minimum(total - step0, steps_per_split)
+
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_RED], a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, WR, WC], W_SMEM)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=2)  # the producer's arrive + the TMA's transaction count
+            mbarrier.init(empty.index(i), count=1)
+
+        acc, = gl.warp_specialize([
+            (_mma, (a_bufs, w_bufs, ready, empty, n_steps, IS_FWD, ACC_LAYOUT)),
+            (_producer, (a_desc, wq_ptr, ws_ptr, a_bufs, w_bufs, ready, empty, off_m, off_out, step0, n_steps,
+                         N, K, IS_FWD, IS_BF16, W_LAYOUT, S_LAYOUT, W_SMEM32, EVEN)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+        if IS_BF16:
+            acc = acc * (128.0 / gl.load(gs_ptr))
+        else:
+            acc = acc * (16384.0 / gl.load(gs_ptr))
+        rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        ro = off_out + gl.arange(0, BLOCK_OUT, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        ptrs = out_ptr + rm[:, None] * stride_om + ro[None, :]
+        mask = (rm < M)[:, None] & (ro < OUT)[None, :]
+        if SPLIT == 1:
+            gl.store(ptrs, gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT_LAYOUT), mask=mask)
+        else:
+            gl.atomic_add(ptrs, gl.convert_layout(acc, OUT_LAYOUT), mask=mask, sem="relaxed")
+
+
+# ----------------------------------------------------------------------------------------------- host side
+#: (BLOCK_M, BLOCK_OUT, BLOCK_RED, STAGES, default-partition warps) by M; the producer always has 4 warps.
+#: Large M: 256-row tiles (two consumer warp groups) halve the dequantization per MMA flop against 128-row
+#: tiles, which measured 1.3-1.5x cuBLAS against 2.0-2.4x (H200, 7B shapes, 2048/8192 rows).
+_CONFIGS = {
+    "small": (64, 128, 64, 4, 4),  # M <= 64: one M tile, the reduction split over SPLIT programs
+    "mid": (128, 128, 64, 4, 4),  # M <= 128
+    "large": (256, 128, 64, 4, 8),
+}
+PRODUCER_WARPS = 4
+SMALL_M = 64
+
+
+def supported(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> bool:
+    """sm_90, bf16/fp16 activations, K a multiple of 64 (the scales are read four per 32-bit word), N a multiple
+    of 8 (TMA row pitch), 16-byte aligned activation rows; anything else goes to ``triton_kernels``."""
+    if not available() or not a.is_cuda or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if k % 64 or n % 8 or scale.data_ptr() % 4 or packed.data_ptr() % 4:
+        return False
+    idx = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if idx not in _CAP:
+        _CAP[idx] = torch.cuda.get_device_capability(idx)
+    return _CAP[idx] == (9, 0)
+
+
+_CAP: dict[int, tuple[int, int]] = {}
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _layouts(kind: str, dtype: torch.dtype, bm: int, bo: int, br: int, warps: int):
+    """Constexpr layouts for one config (built once: Gluon layouts are plain dataclasses)."""
+    key = (kind, dtype, bm, bo, br, warps)
+    if key not in _LAYOUTS:
+        gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        wr, wc = (bo, br) if kind == "fwd" else (br, bo)
+        tc = wc // 64  # threads per row: each thread dequantizes 64 columns (8 words, one scale word)
+        w_layout = gl.BlockedLayout([1, 8], [32 // tc, tc], [PRODUCER_WARPS, 1], [1, 0])
+        s_layout = gl.BlockedLayout([1, 1], [32 // tc, tc], [PRODUCER_WARPS, 1], [1, 0])
+        acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                               instr_shape=[16, min(bo, 256), 16])
+        to = min(32, bo // 8)
+        out_layout = gl.BlockedLayout([1, 8], [32 // to, to], [warps, 1], [1, 0])
+        w_smem = gl.NVMMASharedLayout.get_default_for([wr, wc], gdt)
+        # the producer stores 32-bit pairs into the same bytes: same swizzle, 32-bit elements
+        w_smem32 = gl.NVMMASharedLayout(swizzle_byte_width=w_smem.swizzle_byte_width, element_bitwidth=32, rank=2)
+        _LAYOUTS[key] = (
+            gl.NVMMASharedLayout.get_default_for([bm, br], gdt),
+            w_smem, w_smem32, w_layout, s_layout, acc_layout, out_layout, wr, wc,
+        )
+    return _LAYOUTS[key]
+
+
+def _run(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+         config: tuple | None = None) -> torch.Tensor:
+    M = a.shape[0]
+    N, K = packed.shape[0], packed.shape[1] * 2
+    out_cols, red = (N, K) if kind == "fwd" else (K, N)
+    if a.shape[1] != red:
+        raise ValueError(f"NVFP4 matmul: activation has {a.shape[1]} columns, weight expects {red}")
+    if a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16:
+        a = a.contiguous()
+    regime = "small" if M <= SMALL_M else "mid" if M <= 128 else "large"
+    bm, bo, br, stages, warps = config or _CONFIGS[regime]
+    a_smem, w_smem, w_smem32, w_layout, s_layout, acc_layout, out_layout, wr, wc = _layouts(kind, a.dtype, bm, bo,
+                                                                                            br, warps)
+    a_desc = TensorDescriptor.from_tensor(a, [bm, br], a_smem)
+    total = triton.cdiv(red, br)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(out_cols, bo)
+    split = 1
+    if M <= SMALL_M:  # fill the SMs: split the reduction, at least 4 steps per split
+        sms = _sm_count(a.device)
+        split = max(1, min(total // 4, triton.cdiv(2 * sms, tiles)))
+    per = triton.cdiv(total, split)
+    split = triton.cdiv(total, per)
+    if split > 1:
+        out = torch.zeros(M, out_cols, device=a.device, dtype=torch.float32)
+    else:
+        out = a.new_empty(M, out_cols)
+    _ws_kernel[(tiles, split)](
+        a_desc, packed.view(torch.int32), scale.view(torch.uint8).view(torch.int32), global_scale, out,
+        M, N, K, out.stride(0), per,
+        IS_FWD=kind == "fwd", IS_BF16=a.dtype == torch.bfloat16, SPLIT=split, GROUP_M=8, STAGES=stages,
+        WR=wr, WC=wc, W_LAYOUT=w_layout, S_LAYOUT=s_layout, W_SMEM=w_smem, W_SMEM32=w_smem32, ACC_LAYOUT=acc_layout,
+        OUT_LAYOUT=out_layout, EVEN=N % wr == 0 and K % wc == 0, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=_PRODUCER_REGS,
+        num_warps=warps, maxnreg=_MAXNREG[warps])
+    return out.to(a.dtype) if split > 1 else out
+
+
+#: Registers: the producer holds two prefetched steps plus one tile being dequantized; the default partition
+#: holds the fp32 accumulator (BLOCK_M * BLOCK_OUT / threads).
+_PRODUCER_REGS = 128
+_MAXNREG = {4: 192, 8: 168}
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def nvfp4_matmul_fwd_ws(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                        config: tuple | None = None) -> torch.Tensor:
+    """``x [M, K] @ Ŵᵀ -> [M, N]`` on Hopper. ``config`` = (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)."""
+    return _run("fwd", x, packed, scale, global_scale, config)
+
+
+def nvfp4_matmul_dgrad_ws(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          global_scale: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+    """``dy [M, N] @ Ŵ -> [M, K]`` on Hopper. ``config`` = (BLOCK_M, BLOCK_K, BLOCK_N, STAGES, warps)."""
+    return _run("dgrad", dy, packed, scale, global_scale, config)

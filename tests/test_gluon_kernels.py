@@ -1,0 +1,134 @@
+"""The Hopper warp-specialized Gluon kernels (``qerl_trl.nvfp4.gluon_kernels``) against the fp32 truth, the
+dispatch that picks them, and their fallbacks. Gluon has no interpreter: the kernel tests need an sm_90 GPU
+(``-m gpu``); the CPU tests check that the module stays out of the way where it cannot run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from qerl_trl.nvfp4 import format as F  # noqa: E402
+from qerl_trl.nvfp4 import ops  # noqa: E402
+from qerl_trl.nvfp4.linear import NVFP4Linear  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 only")
+TOL = {torch.bfloat16: 6e-3, torch.float16: 1e-3}
+
+
+def _gk():
+    from qerl_trl.nvfp4 import gluon_kernels
+
+    return gluon_kernels
+
+
+def _weight(n, k, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.05
+    return F.quantize(w.to(device))
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_cpu_module_imports_and_declines():
+    """Importing never fails, and the kernels refuse CPU tensors and the interpreter (Triton takes over)."""
+    gk = _gk()
+    q = _weight(64, 128)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    assert not gk.supported(x, q.weight_packed, q.weight_scale)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert not gk.available()
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944), (264, 320)])  # Qwen2.5-7B qkv, down; ragged tiles
+@pytest.mark.parametrize("m", [1, 16, 100, 300, 2085])
+def test_gpu_ws_fwd_dgrad_match_fp32(dtype, n, k, m):
+    gk = _gk()
+    q = _weight(n, k, device="cuda", seed=n + k + m)
+    w = F.dequantize(*q, dtype=torch.float32)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    dy = torch.randn(m, n, device="cuda", dtype=dtype)
+    assert gk.supported(x, q.weight_packed, q.weight_scale)
+    y = gk.nvfp4_matmul_fwd_ws(x, *q)
+    dx = gk.nvfp4_matmul_dgrad_ws(dy, *q)
+    assert y.shape == (m, n) and y.dtype == dtype and dx.shape == (m, k) and dx.dtype == dtype
+    assert _rel(y, x.float() @ w.t()) < TOL[dtype]
+    assert _rel(dx, dy.float() @ w) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("config", [(128, 128, 64, 4, 4), (256, 128, 64, 3, 8), (64, 128, 128, 3, 4)])
+def test_gpu_ws_every_config_is_exact_to_the_same_bits(config):
+    """The weights are exact in every config, so configs differ only by fp32 summation order."""
+    gk = _gk()
+    q = _weight(1024, 1024, device="cuda", seed=3)
+    x = torch.randn(700, 1024, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ F.dequantize(*q, dtype=torch.float32).t()
+    assert _rel(gk.nvfp4_matmul_fwd_ws(x, *q, config=config), ref) < TOL[torch.bfloat16]
+    assert _rel(gk.nvfp4_matmul_dgrad_ws(x, *q, config=config), x.float() @ F.dequantize(*q, dtype=torch.float32)) \
+        < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_unsupported_shapes_fall_back():
+    """K not a multiple of 64 (the scales are read four per word): the Triton kernels take the call."""
+    gk = _gk()
+    q = _weight(256, 96, device="cuda")
+    x = torch.randn(300, 96, device="cuda", dtype=torch.bfloat16)
+    assert not gk.supported(x, q.weight_packed, q.weight_scale)
+    assert "ws" not in ops._candidates(x, q.weight_packed, q.weight_scale)
+    y = ops.nvfp4_linear_forward(x, *q)
+    assert _rel(y, x.float() @ F.dequantize(*q, dtype=torch.float32).t()) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_no_dense_mode_never_writes_w_hat(monkeypatch):
+    """QERL_NVFP4_NO_DENSE_WEIGHT=1: dequantize + cuBLAS is never chosen, at any M, and the backward of an
+    NVFP4Linear runs without the dense-Ŵ kernel."""
+    from qerl_trl.nvfp4 import triton_kernels as tk
+
+    monkeypatch.setenv(ops.NO_DENSE_ENV, "1")
+    calls = []
+    real = tk.nvfp4_dequantize
+    monkeypatch.setattr(tk, "nvfp4_dequantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ops._PATHS.clear()
+    lin = NVFP4Linear.from_linear(torch.nn.Linear(512, 768, bias=False, dtype=torch.bfloat16)).to("cuda")
+    for m in (8, 200, 3000):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = lin(x)
+        y.float().pow(2).sum().backward()
+        assert ops.triton_path("fwd", x.detach(), lin.weight_packed, lin.weight_scale, lin.weight_global_scale) \
+            != "dequant_mm"
+    assert not calls
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_ws_cuda_graph_capture():
+    gk = _gk()
+    q = _weight(1024, 512, device="cuda", seed=9)
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
+    want = gk.nvfp4_matmul_fwd_ws(x, *q)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = gk.nvfp4_matmul_fwd_ws(x, *q)
+    x.copy_(torch.randn_like(x))
+    want = gk.nvfp4_matmul_fwd_ws(x, *q)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want)
