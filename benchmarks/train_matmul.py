@@ -97,11 +97,11 @@ def main() -> None:
                 t_ours = bench([lambda Q=Q: dispatched(a, *Q) for Q in qs])
                 t_ws = ws_err = None
                 if gk.supported(a, q.weight_packed, q.weight_scale):
-                    ws = gk.nvfp4_matmul_fwd_ws if pas == "fwd" else gk.nvfp4_matmul_dgrad_ws
+                    ws_fn = gk.nvfp4_matmul_fwd_ws if pas == "fwd" else gk.nvfp4_matmul_dgrad_ws
                     ref = a.float() @ (w_ref.t() if pas == "fwd" else w_ref)
-                    ws_err = ((ws(a, *q).float() - ref).norm() / ref.norm()).item()
+                    ws_err = ((ws_fn(a, *q).float() - ref).norm() / ref.norm()).item()
                     del ref
-                    t_ws = bench([lambda Q=Q: ws(a, *Q) for Q in qs])
+                    t_ws = bench([lambda Q=Q: ws_fn(a, *Q) for Q in qs])
                 kern = (tk._fwd_small if m <= 64 else tk._fwd_large) if pas == "fwd" else (
                     tk._dgrad_small if m <= 64 else tk._dgrad_large)
                 cfg = getattr(kern, "best_config", None)
@@ -121,12 +121,18 @@ def main() -> None:
             del x, dy
         del qs, ws, w_ref, q
         torch.cuda.empty_cache()
+        write(rows, args.out_dir)
+    print("wrote", write(rows, args.out_dir))
+
+
+def write(rows, out_dir) -> str:
+    """(Re)write the result file; called after every layer so a cut-off run keeps what it measured."""
     env = result_envelope("train_matmul", rows, "python " + " ".join(sys.argv))
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"train_matmul-{gpu_tag()}.json")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"train_matmul-{gpu_tag()}.json")
     with open(path, "w") as f:
         json.dump(env, f, indent=1)
-    print("wrote", path)
+    return path
 
 
 if __name__ == "__main__":
