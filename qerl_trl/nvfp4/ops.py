@@ -1,8 +1,9 @@
 """The one dispatch point for NVFP4 matmuls: reference (dequantize + matmul) or a registered fast backend.
 
 ``NVFP4Linear`` calls :func:`nvfp4_linear_forward` (``y = x @ Ŵᵀ``) and :func:`nvfp4_linear_dgrad`
-(``dx = dy @ Ŵ``). The reference path works on any device; fast kernels (Triton, for CUDA) register
-themselves with :func:`register_backend` and are picked when their ``supports`` predicate accepts the call.
+(``dx = dy @ Ŵ``). The reference path works on any device; fast CUDA kernels (Triton, and Gluon on Hopper)
+register themselves with :func:`register_backend` and are picked when their ``supports`` predicate accepts the
+call.
 Set ``QERL_NVFP4_BACKEND=reference`` to force the reference path (debugging, A/B timing).
 """
 

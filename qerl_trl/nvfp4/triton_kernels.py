@@ -18,7 +18,8 @@ So the kernels compute ``x @ (e2m1 * scale / global)ᵀ`` with exact weights and
 columns of each group are put in order by ``tl.join`` and one reshape, which only add and merge register-only
 dimensions, so no data moves between threads.
 
-Why the fused kernels are only used for small M (``qerl_trl.nvfp4.ops`` decides): Triton 3.6 stages a
+Why the fused kernels are only a candidate for small M (``qerl_trl.nvfp4.ops`` times them against
+``gluon_kernels``' warp-specialized Hopper kernels and dequantize + cuBLAS): Triton 3.6 stages a
 register-computed MMA operand through shared memory and waits for each wgmma before writing the next tile, so
 dequantization and the tensor cores never overlap on Hopper. Measured on an H200, that costs 2.5-4.1x cuBLAS
 at >= 2048 rows (benchmarks/results/train_matmul-h200.json), with ~3 instructions per weight. The same loop with a
