@@ -264,7 +264,8 @@ if _IMPORT_ERROR is None:
 # ----------------------------------------------------------------------------------------------- host side
 #: (BLOCK_M, BLOCK_OUT, BLOCK_RED, STAGES, default-partition warps) by M; the producer always has 4 warps.
 #: Large M: 256-row tiles (two consumer warp groups) halve the dequantization per MMA flop against 128-row
-#: tiles, which measured 1.3-1.5x cuBLAS against 2.0-2.4x (H200, 7B shapes, 2048/8192 rows).
+#: tiles: 1.3-1.9x cuBLAS against 2.0-2.4x at 2048/8192 rows (H200; benchmarks/results/train_matmul-h200.json for
+#: the 256-row tiles, an uncommitted probe for the 128-row ones).
 _CONFIGS = {
     "small": (64, 128, 64, 4, 4),  # M <= 64: one M tile, the reduction split over SPLIT programs
     "mid": (128, 128, 64, 4, 4),  # M <= 128
@@ -323,7 +324,9 @@ def _run(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     if a.shape[1] != red:
         raise ValueError(f"NVFP4 matmul: activation has {a.shape[1]} columns, weight expects {red}")
     if a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16:
-        a = a.contiguous()
+        a = a.contiguous()  # TMA wants 16-byte aligned rows
+    packed = packed if packed.is_contiguous() else packed.contiguous()
+    scale = scale if scale.is_contiguous() else scale.contiguous()
     regime = "small" if M <= SMALL_M else "mid" if M <= 128 else "large"
     bm, bo, br, stages, warps = config or _CONFIGS[regime]
     a_smem, w_smem, w_smem32, w_layout, s_layout, acc_layout, out_layout, wr, wc = _layouts(kind, a.dtype, bm, bo,
