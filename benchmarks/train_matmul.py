@@ -9,7 +9,10 @@ nvfp4_ms}``: ``naive`` is QeRL's PyTorch unpack + cuBLAS, ``nvfp4`` what ``NVFP4
 ``qerl_trl.nvfp4.ops``). Each row also times both of our paths, ``fused_ms`` (the Triton kernels that never write
 Ŵ) and ``dequant_mm_ms`` (one Triton dequantize pass + cuBLAS), names the one dispatched (``nvfp4_path``) and
 gives the fused kernel's error against the fp32 reference and its tuned config. On Hopper it also times the
-warp-specialized Gluon kernels (``ws_ms``, never write Ŵ either) with their per-M default config.
+warp-specialized Gluon kernels (``ws_ms``, never write Ŵ either) with their per-M default config, and for
+forward passes of at most 64 rows the skinny Gluon kernel (``skinny_ms``). Up to 64 rows it also replays BF16
+and the dispatched path from CUDA graphs (``bf16_graph_ms``, ``nvfp4_graph_ms``): the rollout engine runs
+decode-sized matmuls that way, and eager timing of a ~10 µs matmul mostly measures Python launch cost.
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ def bench(fns, warmup=25, rep=100):
         return f()
 
     return triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median")
+
+
+GRAPH_MAX_M = 64
+
+
+def graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (no Python launch cost); ``fn`` must be warmed up."""
+    import triton
+
+    fn()
+    return round(triton.testing.do_bench_cudagraph(fn, rep=50), 5)
 
 
 def main() -> None:
@@ -102,6 +116,15 @@ def main() -> None:
                     ws_err = ((ws_fn(a, *q).float() - ref).norm() / ref.norm()).item()
                     del ref
                     t_ws = bench([lambda Q=Q: ws_fn(a, *Q) for Q in qs])
+                t_skinny = None
+                if pas == "fwd" and gk.skinny_supported(a, q.weight_packed):
+                    t_skinny = bench([lambda Q=Q: gk.nvfp4_matmul_fwd_skinny(a, *Q) for Q in qs])
+                graph = {}
+                if m <= GRAPH_MAX_M:  # decode-sized: also time inside CUDA graphs, as vLLM runs them
+                    w0 = ws[0]
+                    graph["bf16_graph_ms"] = graph_ms(lambda: a @ (w0.t() if pas == "fwd" else w0))
+                    graph["nvfp4_graph_ms"] = graph_ms(lambda: dispatched(a, *q))
+                    graph["nvfp4_graph_vs_bf16"] = round(graph["nvfp4_graph_ms"] / graph["bf16_graph_ms"], 3)
                 kern = (tk._fwd_small if m <= 64 else tk._fwd_large) if pas == "fwd" else (
                     tk._dgrad_small if m <= 64 else tk._dgrad_large)
                 cfg = getattr(kern, "best_config", None)
@@ -112,6 +135,7 @@ def main() -> None:
                            ws_ms=None if t_ws is None else round(t_ws, 5),
                            ws_vs_bf16=None if t_ws is None else round(t_ws / t_bf16, 3),
                            ws_rel_err=None if ws_err is None else float(f"{ws_err:.3g}"),
+                           skinny_ms=None if t_skinny is None else round(t_skinny, 5), **graph,
                            nvfp4_path=ops.triton_path(pas, a, *q),
                            rel_err=float(f"{err:.3g}"), N=n, K=k, fused_config=str(cfg) if cfg else None)
                 rows.append(row)

@@ -39,12 +39,42 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("is_bf16", [True, False])
+def test_skinny_ptx_recipe_is_exact_for_every_lane_code_and_scale(is_bf16):
+    """The skinny kernel's PTX, run instruction by instruction: lane ``c`` of a quad gets columns 2c, 2c+1 of
+    both words of a 16-group, exactly scaled, for every code in every position and scales 2**-9 ... 448."""
+    import numpy as np
+
+    from test_triton_kernels import _run_ptx
+
+    gk = _gk()
+    asm = gk._skinny_asm(is_bf16)
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    fp = torch.bfloat16 if is_bf16 else torch.float16
+    rng = np.random.default_rng(1)
+    for scale in [2.0**-9, 0.125, 1.0, 17.0, 448.0]:
+        s16 = scale * 2.0**119 if is_bf16 else scale
+        s_bits = int(torch.tensor(s16, dtype=fp).view(torch.int16)) & 0xFFFF
+        for trial in range(20):
+            codes = [(trial + j) % 16 for j in range(16)] if trial < 16 else list(rng.integers(0, 16, 16))
+            w0 = sum(int(v) << (4 * j) for j, v in enumerate(codes[:8]))
+            w1 = sum(int(v) << (4 * j) for j, v in enumerate(codes[8:]))
+            for c in range(4):
+                out = _run_ptx(asm, {4: w0, 5: w1, 6: (c << 12) | ((c + 4) << 4), 7: s_bits})
+                for slot, col in enumerate((2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c)):
+                    code = codes[col]
+                    want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7] * scale * (2.0**-7 if is_bf16 else 2.0**-14)
+                    got = float(torch.tensor([out[slot]], dtype=torch.int32).to(torch.int16).view(fp).item())
+                    assert got == want, (scale, c, col, code, got, want)
+
+
 def test_cpu_module_imports_and_declines():
     """Importing never fails, and the kernels refuse CPU tensors and the interpreter (Triton takes over)."""
     gk = _gk()
     q = _weight(64, 128)
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     assert not gk.supported(x, q.weight_packed, q.weight_scale)
+    assert not gk.skinny_supported(x, q.weight_packed)
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert not gk.available()
 
@@ -90,7 +120,7 @@ def test_gpu_unsupported_shapes_fall_back():
     q = _weight(256, 96, device="cuda")
     x = torch.randn(300, 96, device="cuda", dtype=torch.bfloat16)
     assert not gk.supported(x, q.weight_packed, q.weight_scale)
-    assert "ws" not in ops._candidates(x, q.weight_packed, q.weight_scale)
+    assert "ws" not in ops._candidates("fwd", x, q.weight_packed, q.weight_scale)
     y = ops.nvfp4_linear_forward(x, *q)
     assert _rel(y, x.float() @ F.dequantize(*q, dtype=torch.float32).t()) < TOL[torch.bfloat16]
 
@@ -115,6 +145,52 @@ def test_gpu_no_dense_mode_never_writes_w_hat(monkeypatch):
         assert ops.triton_path("fwd", x.detach(), lin.weight_packed, lin.weight_scale, lin.weight_global_scale) \
             != "dequant_mm"
     assert not calls
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944), (264, 320)])
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
+def test_gpu_skinny_fwd_matches_fp32(dtype, n, k, m):
+    gk = _gk()
+    q = _weight(n, k, device="cuda", seed=n + k + m)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    assert gk.skinny_supported(x, q.weight_packed)
+    y = gk.nvfp4_matmul_fwd_skinny(x, *q)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert _rel(y, x.float() @ F.dequantize(*q, dtype=torch.float32).t()) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_skinny_refuses_too_many_rows_and_dispatch_offers_it_for_forward_only():
+    gk = _gk()
+    q = _weight(512, 256, device="cuda")
+    assert not gk.skinny_supported(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), q.weight_packed)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        gk.nvfp4_matmul_fwd_skinny(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), *q)
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    assert ops._candidates("fwd", x, q.weight_packed, q.weight_scale)[0] == "skinny"
+    assert "skinny" not in ops._candidates("dgrad", torch.randn(8, 512, device="cuda", dtype=torch.bfloat16),
+                                           q.weight_packed, q.weight_scale)
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_skinny_cuda_graph_capture():
+    gk = _gk()
+    q = _weight(1024, 512, device="cuda", seed=4)
+    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    gk.nvfp4_matmul_fwd_skinny(x, *q)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = gk.nvfp4_matmul_fwd_skinny(x, *q)
+    x.copy_(torch.randn_like(x))
+    want = gk.nvfp4_matmul_fwd_skinny(x, *q)
+    g.replay()
+    torch.cuda.synchronize()
+    assert _rel(y, want) < 1e-6  # split-K atomics may sum in another order
 
 
 @pytest.mark.gpu

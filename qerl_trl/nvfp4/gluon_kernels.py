@@ -34,6 +34,7 @@ try:  # Gluon is experimental: keep every import failure local to this module
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -47,9 +48,21 @@ try:  # Gluon is experimental: keep every import failure local to this module
 except Exception as e:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = e
 
-from .triton_kernels import _dequant_asm
+from .triton_kernels import _dequant_asm, _pair_ptx
 
-__all__ = ["available", "supported", "nvfp4_matmul_fwd_ws", "nvfp4_matmul_dgrad_ws"]
+__all__ = ["available", "supported", "skinny_supported", "nvfp4_matmul_fwd_ws", "nvfp4_matmul_dgrad_ws",
+           "nvfp4_matmul_fwd_skinny"]
+
+
+def _skinny_asm(is_bf16: bool) -> str:
+    """PTX for the skinny kernel: byte ``c`` (register ``$6`` = ``(c << 12) | ((4 + c) << 4)``) of two words
+    (``$4``, ``$5``) scaled by ``$7`` -> four 16-bit values, columns ``2c, 2c+1`` of ``w0`` and of ``w1``: exactly
+    the MMA A-fragment entries lane ``c`` of a quad holds. Same exact recipe as ``triton_kernels._dequant_asm``."""
+    lines = ["{", ".reg .b32 u, t, m, o, s2, z;", "mov.b32 s2, {$7, $7};", "mov.b32 z, 0x80008000;"]
+    for i, reg in enumerate(("$4", "$5")):
+        lines += [f"shl.b32 u, {reg}, 4;", *_pair_ptx(reg, "$6", is_bf16), f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, o;"]
+    lines.append("}")
+    return "\n".join(lines)
 
 
 #: Gluon's API is experimental and changes between Triton releases; these kernels were written against 3.6.
@@ -86,17 +99,22 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _dequant_tile(q, s, IS_BF16: gl.constexpr):
-        """``q [R, C/8]`` int32 words, ``s [R, C/64]`` int32 scale words -> ``[R, C/2]`` int32, each the 16-bit
+        """``q [R, C/8]`` int32 words, ``s [R, C/64]`` int32 or ``[R, C/32]`` int16 scale words (four or two E4M3
+        bytes) -> ``[R, C/2]`` int32, each the 16-bit
         pair (columns 2j, 2j+1) of ``e2m1 * scale * 2**-7`` (bf16) or ``* 2**-14`` (fp16), exact, all in
         registers."""
         R: gl.constexpr = q.shape[0]
         G: gl.constexpr = q.shape[1] // 2
         w0, w1 = gl.split(gl.reshape(q, [R, G, 2]))
-        b0 = _scale_16bit(s & 0xFF)
-        b1 = _scale_16bit((s >> 8) & 0xFF)
-        b2 = _scale_16bit((s >> 16) & 0xFF)
-        b3 = _scale_16bit((s >> 24) & 0xFF)
-        sf = gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [R, G])
+        if G // s.shape[1] == 4:  # a 32-bit scale word: four groups
+            b0 = _scale_16bit(s & 0xFF)
+            b1 = _scale_16bit((s >> 8) & 0xFF)
+            b2 = _scale_16bit((s >> 16) & 0xFF)
+            b3 = _scale_16bit((s >> 24) & 0xFF)
+            sf = gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [R, G])
+        else:  # a 16-bit scale word: two groups
+            s = s.to(gl.int32)
+            sf = gl.reshape(gl.join(_scale_16bit(s & 0xFF), _scale_16bit((s >> 8) & 0xFF)), [R, G])
         sf = gl.convert_layout(sf, w0.type.layout)
         if IS_BF16:
             sc = (sf * 2.0**127).to(gl.bfloat16)
@@ -120,28 +138,29 @@ if _IMPORT_ERROR is None:
         r_w = gl.arange(0, WR, layout=gl.SliceLayout(1, W_LAYOUT))
         c_w = gl.arange(0, WC // 8, layout=gl.SliceLayout(0, W_LAYOUT))
         r_s = gl.arange(0, WR, layout=gl.SliceLayout(1, S_LAYOUT))
-        c_s = gl.arange(0, WC // 64, layout=gl.SliceLayout(0, S_LAYOUT))
+        SC: gl.constexpr = WC // S_LAYOUT.threads_per_warp[1]  # columns per scale word: 64 (int32) or 32 (int16)
+        c_s = gl.arange(0, WC // SC, layout=gl.SliceLayout(0, S_LAYOUT))
         if IS_FWD:  # tile = rows off_out.., columns along the reduction (K)
             q_ptrs = wq_ptr + (off_out + r_w)[:, None] * (K // 8) + (step0 * (WC // 8) + c_w)[None, :]
-            s_ptrs = ws_ptr + (off_out + r_s)[:, None] * (K // 64) + (step0 * (WC // 64) + c_s)[None, :]
+            s_ptrs = ws_ptr + (off_out + r_s)[:, None] * (K // SC) + (step0 * (WC // SC) + c_s)[None, :]
             q_step = WC // 8
-            s_step = WC // 64
+            s_step = WC // SC
         else:  # tile = rows along the reduction (N), columns off_out..
             q_ptrs = wq_ptr + (step0 * WR + r_w)[:, None] * (K // 8) + (off_out // 8 + c_w)[None, :]
-            s_ptrs = ws_ptr + (step0 * WR + r_s)[:, None] * (K // 64) + (off_out // 64 + c_s)[None, :]
+            s_ptrs = ws_ptr + (step0 * WR + r_s)[:, None] * (K // SC) + (off_out // SC + c_s)[None, :]
             q_step = WR * (K // 8)
-            s_step = WR * (K // 64)
+            s_step = WR * (K // SC)
 
         # two steps of prefetch in registers: global latency is hidden behind two dequantizations
         q0, s0 = _load_masked(q_ptrs, s_ptrs, r_w, c_w, r_s, c_s, off_out, step0, step0 + n_steps, N, K,
-                              WR, WC, IS_FWD, EVEN)
+                              WR, WC, SC, IS_FWD, EVEN)
         q1, s1 = _load_masked(q_ptrs + q_step, s_ptrs + s_step, r_w, c_w, r_s, c_s, off_out, step0 + 1,
-                              step0 + n_steps, N, K, WR, WC, IS_FWD, EVEN)
+                              step0 + n_steps, N, K, WR, WC, SC, IS_FWD, EVEN)
         for i in range(n_steps):
             q, s = q0, s0
             q0, s0 = q1, s1
             q1, s1 = _load_masked(q_ptrs + (i + 2) * q_step, s_ptrs + (i + 2) * s_step, r_w, c_w, r_s, c_s,
-                                  off_out, step0 + i + 2, step0 + n_steps, N, K, WR, WC, IS_FWD, EVEN)
+                                  off_out, step0 + i + 2, step0 + n_steps, N, K, WR, WC, SC, IS_FWD, EVEN)
             st = i % STAGES
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             # the activation load first, so its latency overlaps this step's dequantization
@@ -155,7 +174,7 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _load_masked(q_ptrs, s_ptrs, r_w, c_w, r_s, c_s, off_out, step, step_end, N, K, WR: gl.constexpr,
-                     WC: gl.constexpr, IS_FWD: gl.constexpr, EVEN: gl.constexpr):
+                     WC: gl.constexpr, SC: gl.constexpr, IS_FWD: gl.constexpr, EVEN: gl.constexpr):
         """One step's packed and scale words; out-of-range rows/columns and steps past the end read as 0.
         ``EVEN``: the tiles divide the weight, so only the step count needs a (uniform) predicate."""
         live = step < step_end
@@ -165,10 +184,10 @@ if _IMPORT_ERROR is None:
         else:
             if IS_FWD:
                 qm = ((off_out + r_w) < N)[:, None] & ((step * (WC // 8) + c_w) < K // 8)[None, :]
-                sm = ((off_out + r_s) < N)[:, None] & ((step * (WC // 64) + c_s) < K // 64)[None, :]
+                sm = ((off_out + r_s) < N)[:, None] & ((step * (WC // SC) + c_s) < K // SC)[None, :]
             else:
                 qm = ((step * WR + r_w) < N)[:, None] & ((off_out // 8 + c_w) < K // 8)[None, :]
-                sm = ((step * WR + r_s) < N)[:, None] & ((off_out // 64 + c_s) < K // 64)[None, :]
+                sm = ((step * WR + r_s) < N)[:, None] & ((off_out // SC + c_s) < K // SC)[None, :]
             q = gl.load(q_ptrs, mask=qm & live, other=0)
             s = gl.load(s_ptrs, mask=sm & live, other=0)
         return q, s
@@ -261,17 +280,116 @@ if _IMPORT_ERROR is None:
             gl.atomic_add(ptrs, gl.convert_layout(acc, OUT_LAYOUT), mask=mask, sem="relaxed")
 
 
+    _SKINNY_BF16 = gl.constexpr(_skinny_asm(True))
+    _SKINNY_F16 = gl.constexpr(_skinny_asm(False))
+
+    @gluon.jit
+    def _skinny_fwd_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym, steps_per_split,
+                           IS_BF16: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
+                           BLOCK_T: gl.constexpr, G: gl.constexpr, EVEN: gl.constexpr, P_LAYOUT: gl.constexpr,
+                           S_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr,
+                           ACC_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, X_SMEM: gl.constexpr):
+        """``y [M, N] = x @ Ŵᵀ`` for a few rows (M <= BLOCK_T): ``yᵀ = Ŵ @ xᵀ`` with the weight as the MMA's A
+        operand, dequantized straight into mma.sync A fragments in registers (no shared memory at all).
+
+        Lane ``c`` of a quad must hold columns ``2c, 2c+1, 2c+8, 2c+9`` of each 16-group: bytes ``c`` of the group's
+        two words. So every lane of a quad loads the same ``2 G`` words of its row (``P_LAYOUT`` over
+        ``[BLOCK_N, 4, 2 G]``: row, lane in quad, word; one 128-bit vector per 4 words) and keeps its own byte;
+        ``S_LAYOUT`` is the same over ``[BLOCK_N, 4, G]`` (row, lane, group). One step covers ``16 G`` inputs."""
+        BK: gl.constexpr = 16 * G
+        pid_n = gl.program_id(0)
+        step0 = gl.program_id(1) * steps_per_split
+        n_steps = gl.minimum(gl.cdiv(K, BK) - step0, steps_per_split)
+        off_n = pid_n * BLOCK_N
+        k_start = step0 * BK
+
+        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, P_LAYOUT)))
+        cw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, P_LAYOUT)))
+        wd = gl.arange(0, 2 * G, layout=gl.SliceLayout(0, gl.SliceLayout(1, P_LAYOUT)))
+        q_rows = off_n + r
+        q_base = q_rows * (K // 8) + k_start // 8
+        s_base_r = (off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, S_LAYOUT)))) * (K // 16)
+        s_base = s_base_r + k_start // 16
+        if EVEN:  # K % (16 G) == 0: every row starts 2 G words / G scale bytes aligned (lets the loads vectorize)
+            q_base = gl.multiple_of(q_base, 2 * G)
+            s_base = gl.multiple_of(s_base, G)
+        q_ptrs = wq_ptr + (q_base[:, None, None] + 0 * cw[None, :, None] + wd[None, None, :])
+        q_rmask = (q_rows < N)[:, None, None] & (cw >= 0)[None, :, None]
+
+        rs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, S_LAYOUT)))
+        cs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, S_LAYOUT)))
+        gs = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, S_LAYOUT)))
+        s_rows = off_n + rs
+        s_ptrs = ws_ptr + (s_base[:, None, None] + 0 * cs[None, :, None] + gs[None, None, :])
+        s_rmask = (s_rows < N)[:, None, None] & (cs >= 0)[None, :, None]
+        sel = gl.full([BLOCK_N, 4, G], 0, gl.int32, S_LAYOUT) + ((cs << 12) | ((cs + 4) << 4))[None, :, None]
+
+        # the activation tile goes through shared memory once per program and step (coalesced 16-byte loads),
+        # then every warp reads its B fragments with ldmatrix: far fewer load instructions than each warp
+        # gathering 32-bit fragments from global memory
+        tm = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, X_LAYOUT))
+        tk = gl.arange(0, BK, layout=gl.SliceLayout(0, X_LAYOUT))
+        x_ptrs = x_ptr + tm[:, None] * stride_xm + k_start + tk[None, :]
+        xmask = (tm < M)[:, None] & (tk >= 0)[None, :]
+        x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_T, BK], X_SMEM)
+
+        acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=ACC_LAYOUT)
+        for i in range(n_steps):
+            if EVEN:  # whole tiles: only the token rows need a mask, so the loads vectorize
+                q = gl.load(q_ptrs)
+                sc = gl.load(s_ptrs)
+                xv = gl.load(x_ptrs, mask=xmask, other=0.0)
+            else:
+                k0 = (step0 + i) * BK
+                q = gl.load(q_ptrs, mask=q_rmask & ((k0 // 8 + wd) < K // 8)[None, None, :], other=0)
+                sc = gl.load(s_ptrs, mask=s_rmask & ((k0 // 16 + gs) < K // 16)[None, None, :], other=0)
+                xv = gl.load(x_ptrs, mask=xmask & ((k0 + tk) < K)[None, :], other=0.0)
+            q_ptrs += BK // 8
+            s_ptrs += BK // 16
+            x_ptrs += BK
+            w0, w1 = gl.split(gl.reshape(q, [BLOCK_N, 4, G, 2]))
+            w0 = gl.convert_layout(w0, S_LAYOUT)
+            w1 = gl.convert_layout(w1, S_LAYOUT)
+            sf = _scale_16bit(sc.to(gl.int32))
+            if IS_BF16:
+                o = gl.inline_asm_elementwise(_SKINNY_BF16, "=h,=h,=h,=h,r,r,r,h",
+                                              [w0, w1, sel, (sf * 2.0**127).to(gl.bfloat16)],
+                                              dtype=(gl.bfloat16,) * 4, is_pure=True, pack=1)
+            else:
+                o = gl.inline_asm_elementwise(_SKINNY_F16, "=h,=h,=h,=h,r,r,r,h",
+                                              [w0, w1, sel, (sf * 256.0).to(gl.float16)],
+                                              dtype=(gl.float16,) * 4, is_pure=True, pack=1)
+            # [N, c, G, b0, h] -> [N, G, h, c, b0]: input column 16 g + 8 h + 2 c + b0
+            t = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))
+            a = gl.convert_layout(gl.reshape(gl.permute(t, (0, 2, 4, 1, 3)), [BLOCK_N, BK]), A_LAYOUT)
+            x_smem.store(xv)
+            acc = mma_v2(a, x_smem.permute((1, 0)).load(B_LAYOUT), acc)
+
+        if IS_BF16:
+            acc = acc * (128.0 / gl.load(gs_ptr))
+        else:
+            acc = acc * (16384.0 / gl.load(gs_ptr))
+        on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC_LAYOUT))
+        om = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ACC_LAYOUT))
+        ptrs = y_ptr + om[None, :] * stride_ym + on[:, None]
+        mask = (om < M)[None, :] & (on < N)[:, None]
+        if SPLIT == 1:
+            gl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+
+
 # ----------------------------------------------------------------------------------------------- host side
-#: (BLOCK_M, BLOCK_OUT, BLOCK_RED, STAGES, default-partition warps) by M; the producer always has 4 warps.
+#: (BLOCK_M, BLOCK_OUT, BLOCK_RED, STAGES, default-partition warps, producer warps) by M.
 #: Large M: 256-row tiles (two consumer warp groups) halve the dequantization per MMA flop against 128-row
-#: tiles: 1.3-1.9x cuBLAS against 2.0-2.4x at 2048/8192 rows (H200; benchmarks/results/train_matmul-h200.json for
-#: the 256-row tiles, an uncommitted probe for the 128-row ones).
+#: tiles, and 8 producer warps (two per scheduler) dequantize faster than 4. H200 probes at 2048/8192 rows
+#: (7B shapes): 128-row tiles 2.0-2.4x cuBLAS, 256-row tiles with 4 producer warps 1.3-1.5x, with 8 1.2-1.4x
+#: (benchmarks/results/train_matmul-h200.json has the committed numbers).
 _CONFIGS = {
-    "small": (64, 128, 64, 4, 4),  # M <= 64: one M tile, the reduction split over SPLIT programs
-    "mid": (128, 128, 64, 4, 4),  # M <= 128
-    "large": (256, 128, 64, 4, 8),
+    "small": (64, 128, 64, 4, 4, 4),  # M <= 64: one M tile, the reduction split over SPLIT programs
+    "mid": (128, 128, 64, 4, 4, 8),  # M <= 128
+    "large": (256, 128, 64, 4, 8, 8),
 }
-PRODUCER_WARPS = 4
 SMALL_M = 64
 
 
@@ -293,15 +411,20 @@ _CAP: dict[int, tuple[int, int]] = {}
 _LAYOUTS: dict[tuple, tuple] = {}
 
 
-def _layouts(kind: str, dtype: torch.dtype, bm: int, bo: int, br: int, warps: int):
+def _layouts(kind: str, dtype: torch.dtype, bm: int, bo: int, br: int, warps: int, pw: int):
     """Constexpr layouts for one config (built once: Gluon layouts are plain dataclasses)."""
-    key = (kind, dtype, bm, bo, br, warps)
+    key = (kind, dtype, bm, bo, br, warps, pw)
     if key not in _LAYOUTS:
         gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
         wr, wc = (bo, br) if kind == "fwd" else (br, bo)
-        tc = wc // 64  # threads per row: each thread dequantizes 64 columns (8 words, one scale word)
-        w_layout = gl.BlockedLayout([1, 8], [32 // tc, tc], [PRODUCER_WARPS, 1], [1, 0])
-        s_layout = gl.BlockedLayout([1, 1], [32 // tc, tc], [PRODUCER_WARPS, 1], [1, 0])
+        # each producer thread dequantizes 8 words (64 columns, one int32 scale word) or, when that would leave
+        # threads idle, 4 words (32 columns, one int16 scale word)
+        wpt = 8 if wr * wc // 8 >= 8 * 32 * pw else 4
+        tc = wc // (8 * wpt)  # threads per row
+        if tc < 1 or 32 % tc:
+            raise ValueError(f"NVFP4 Gluon kernel: weight tile {wr}x{wc} does not fit {pw} producer warps")
+        w_layout = gl.BlockedLayout([1, wpt], [32 // tc, tc], [pw, 1], [1, 0])
+        s_layout = gl.BlockedLayout([1, 1], [32 // tc, tc], [pw, 1], [1, 0])
         acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                instr_shape=[16, min(bo, 256), 16])
         to = min(32, bo // 8)
@@ -311,7 +434,7 @@ def _layouts(kind: str, dtype: torch.dtype, bm: int, bo: int, br: int, warps: in
         w_smem32 = gl.NVMMASharedLayout(swizzle_byte_width=w_smem.swizzle_byte_width, element_bitwidth=32, rank=2)
         _LAYOUTS[key] = (
             gl.NVMMASharedLayout.get_default_for([bm, br], gdt),
-            w_smem, w_smem32, w_layout, s_layout, acc_layout, out_layout, wr, wc,
+            w_smem, w_smem32, w_layout, s_layout, acc_layout, out_layout, wr, wc, wpt,
         )
     return _LAYOUTS[key]
 
@@ -328,9 +451,9 @@ def _run(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     packed = packed if packed.is_contiguous() else packed.contiguous()
     scale = scale if scale.is_contiguous() else scale.contiguous()
     regime = "small" if M <= SMALL_M else "mid" if M <= 128 else "large"
-    bm, bo, br, stages, warps = config or _CONFIGS[regime]
-    a_smem, w_smem, w_smem32, w_layout, s_layout, acc_layout, out_layout, wr, wc = _layouts(kind, a.dtype, bm, bo,
-                                                                                            br, warps)
+    bm, bo, br, stages, warps, pw = _full(config or _CONFIGS[regime])
+    a_smem, w_smem, w_smem32, w_layout, s_layout, acc_layout, out_layout, wr, wc, wpt = _layouts(
+        kind, a.dtype, bm, bo, br, warps, pw)
     a_desc = TensorDescriptor.from_tensor(a, [bm, br], a_smem)
     total = triton.cdiv(red, br)
     tiles = triton.cdiv(M, bm) * triton.cdiv(out_cols, bo)
@@ -345,19 +468,32 @@ def _run(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     else:
         out = a.new_empty(M, out_cols)
     _ws_kernel[(tiles, split)](
-        a_desc, packed.view(torch.int32), scale.view(torch.uint8).view(torch.int32), global_scale, out,
+        a_desc, packed.view(torch.int32), scale.view(torch.uint8).view(torch.int32 if wpt == 8 else torch.int16),
+        global_scale, out,
         M, N, K, out.stride(0), per,
         IS_FWD=kind == "fwd", IS_BF16=a.dtype == torch.bfloat16, SPLIT=split, GROUP_M=8, STAGES=stages,
         WR=wr, WC=wc, W_LAYOUT=w_layout, S_LAYOUT=s_layout, W_SMEM=w_smem, W_SMEM32=w_smem32, ACC_LAYOUT=acc_layout,
-        OUT_LAYOUT=out_layout, EVEN=N % wr == 0 and K % wc == 0, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=_PRODUCER_REGS,
-        num_warps=warps, maxnreg=_MAXNREG[warps])
+        OUT_LAYOUT=out_layout, EVEN=N % wr == 0 and K % wc == 0, PRODUCER_WARPS=pw, PRODUCER_REGS=_PRODUCER_REGS[pw],
+        num_warps=warps, maxnreg=_maxnreg(warps + pw))
     return out.to(a.dtype) if split > 1 else out
 
 
 #: Registers: the producer holds two prefetched steps plus one tile being dequantized; the default partition
-#: holds the fp32 accumulator (BLOCK_M * BLOCK_OUT / threads).
-_PRODUCER_REGS = 128
-_MAXNREG = {4: 192, 8: 168}
+#: (whatever the kernel-wide ``maxnreg`` leaves) holds the fp32 accumulator (BLOCK_M * BLOCK_OUT / threads).
+_PRODUCER_REGS = {4: 128, 8: 88}
+
+
+def _maxnreg(total_warps: int) -> int:
+    """Registers per thread such that every warp (rounded up to warp groups) fits the 64K register file."""
+    groups = -(-total_warps // 4)
+    return min(256, 65536 // (groups * 128)) // 8 * 8
+
+
+def _full(config: tuple) -> tuple:
+    """Configs may leave out the producer warps (4)."""
+    return tuple(config) if len(config) == 6 else (*config, 4)
+
+
 _SMS: dict[int, int] = {}
 
 
@@ -370,11 +506,90 @@ def _sm_count(device: torch.device) -> int:
 
 def nvfp4_matmul_fwd_ws(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                         config: tuple | None = None) -> torch.Tensor:
-    """``x [M, K] @ Ŵᵀ -> [M, N]`` on Hopper. ``config`` = (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)."""
+    """``x [M, K] @ Ŵᵀ -> [M, N]`` on Hopper. ``config`` = (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps[,
+    producer warps])."""
     return _run("fwd", x, packed, scale, global_scale, config)
 
 
 def nvfp4_matmul_dgrad_ws(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                           global_scale: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
-    """``dy [M, N] @ Ŵ -> [M, K]`` on Hopper. ``config`` = (BLOCK_M, BLOCK_K, BLOCK_N, STAGES, warps)."""
+    """``dy [M, N] @ Ŵ -> [M, K]`` on Hopper. ``config`` = (BLOCK_M, BLOCK_K, BLOCK_N, STAGES, warps[,
+    producer warps])."""
     return _run("dgrad", dy, packed, scale, global_scale, config)
+
+
+# ------------------------------------------------------------------------------------- skinny forward (M small)
+SKINNY_MAX_M = 64
+_SKINNY_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _skinny_layouts(block_n: int, warps: int, g: int, block_t: int):
+    key = (block_n, warps, g, block_t)
+    if key not in _SKINNY_LAYOUTS:
+        rw = block_n // (16 * warps)
+        if rw < 1 or rw & (rw - 1) or g & (g - 1):
+            raise ValueError(f"skinny NVFP4 kernel: BLOCK_N={block_n} must be 16 * warps * a power of two")
+        log2 = lambda v: v.bit_length() - 1  # noqa: E731
+        lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]  # lane in quad, then rows 0-7
+        warp_bases = [[16 << i, 0, 0] for i in range(log2(warps))]
+        rows_hi = [[8, 0, 0]] + [[16 * warps << i, 0, 0] for i in range(log2(rw))]
+        p_layout = gl.DistributedLinearLayout(  # [BLOCK_N, 4, 2 G] words
+            reg_bases=[[0, 0, 1 << i] for i in range(log2(2 * g))] + rows_hi, lane_bases=lanes,
+            warp_bases=warp_bases, block_bases=[], shape=[block_n, 4, 2 * g])
+        s_layout = gl.DistributedLinearLayout(  # [BLOCK_N, 4, G] groups
+            reg_bases=[[0, 0, 1 << i] for i in range(log2(g))] + rows_hi, lane_bases=lanes,
+            warp_bases=warp_bases, block_bases=[], shape=[block_n, 4, g])
+        acc = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+        tpr = min(32, 16 * g // 8)  # threads per activation row: 8 values (16 bytes) each
+        x_layout = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [warps, 1], [1, 0])
+        x_smem = gl.NVMMASharedLayout.get_default_for([block_t, 16 * g], gl.bfloat16)
+        _SKINNY_LAYOUTS[key] = (p_layout, s_layout, gl.DotOperandLayout(0, acc, 2), gl.DotOperandLayout(1, acc, 2),
+                                acc, x_layout, x_smem)
+    return _SKINNY_LAYOUTS[key]
+
+
+def skinny_supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
+    """The skinny forward takes ``M <= 64`` bf16/fp16 rows on sm_80+ (mma.sync; no Hopper-only features)."""
+    if not available() or not a.is_cuda or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if a.shape[0] > SKINNY_MAX_M or packed.data_ptr() % 4:
+        return False
+    idx = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if idx not in _CAP:
+        _CAP[idx] = torch.cuda.get_device_capability(idx)
+    return _CAP[idx] >= (8, 0)
+
+
+def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                            global_scale: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+    """``x [M, K] @ Ŵᵀ`` for ``M <= 16`` on sm_80+: weight-read bound, so the weight goes straight from global
+    memory into MMA fragments. ``config`` = (BLOCK_N, warps, G[, BLOCK_T]); BLOCK_T (16, 32 or 64) pads the
+    token count for the MMA and defaults to the smallest that holds M."""
+    M, K = x.shape
+    N = packed.shape[0]
+    if M > SKINNY_MAX_M:
+        raise ValueError(f"skinny NVFP4 kernel takes at most {SKINNY_MAX_M} rows, got {M}")
+    # 128 weight rows and 64 inputs per step; 8 warps (two 16-row MMA tiles each) once M > 32
+    # (H200 probe: 0.76-1.14x cuBLAS at 1 row, 0.83-1.45x at 16, 1.3-2.4x at 64, CUDA-graph timed)
+    block_n, warps, g, *bt = config or (128, 4 if M <= 32 else 8, 4)
+    block_t = bt[0] if bt else max(16, triton.next_power_of_2(M))
+    if block_t < M:
+        raise ValueError(f"skinny NVFP4 kernel: BLOCK_T={block_t} is smaller than M={M}")
+    p_layout, s_layout, a_layout, b_layout, acc_layout, x_layout, x_smem = _skinny_layouts(block_n, warps, g,
+                                                                                           block_t)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    packed = packed if packed.is_contiguous() else packed.contiguous()
+    scale = scale if scale.is_contiguous() else scale.contiguous()
+    total = triton.cdiv(K, 16 * g)
+    tiles = triton.cdiv(N, block_n)
+    split = max(1, min(total // 4, triton.cdiv(4 * _sm_count(x.device), tiles)))
+    per = triton.cdiv(total, split)
+    split = triton.cdiv(total, per)
+    y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else x.new_empty(M, N)
+    _skinny_fwd_kernel[(tiles, split)](
+        x, packed.view(torch.int32), scale.view(torch.uint8), global_scale, y, M, N, K, x.stride(0), y.stride(0),
+        per, IS_BF16=x.dtype == torch.bfloat16, SPLIT=split, BLOCK_N=block_n, BLOCK_T=block_t, G=g,
+        EVEN=N % block_n == 0 and K % (16 * g) == 0,
+        P_LAYOUT=p_layout, S_LAYOUT=s_layout, A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout,
+        X_LAYOUT=x_layout, X_SMEM=x_smem, num_warps=warps)
+    return y.to(x.dtype) if split > 1 else y

@@ -95,13 +95,16 @@ NO_DENSE_ENV = "QERL_NVFP4_NO_DENSE_WEIGHT"
 _PATHS: dict[tuple, str] = {}
 
 
-def _candidates(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> list[str]:
+def _candidates(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> list[str]:
     """Paths that can run this call, in order of preference when they cannot be timed (CUDA-graph capture):
-    ``ws`` (Hopper Gluon kernels), ``fused`` (Triton kernels), ``dequant_mm`` (Triton dequantize + cuBLAS)."""
+    ``skinny`` (Gluon, forward with few rows), ``ws`` (Hopper Gluon kernels), ``fused`` (Triton kernels),
+    ``dequant_mm`` (Triton dequantize + cuBLAS)."""
     from . import gluon_kernels as gk
 
     m = a.shape[0]
     out = []
+    if kind == "fwd" and gk.skinny_supported(a, packed):
+        out.append("skinny")
     if gk.supported(a, packed, scale):
         out.append("ws")
     if m <= FUSED_CANDIDATE_MAX_M:
@@ -113,8 +116,8 @@ def _candidates(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> l
 
 def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 global_scale: torch.Tensor) -> str:
-    """``"ws"`` (warp-specialized Gluon kernels, sm_90), ``"fused"`` (Triton kernels) or ``"dequant_mm"``
-    (Triton dequantize + cuBLAS) for this call. The first call per (pass, M bucket, weight shape, dtype) times
+    """``"skinny"`` (Gluon forward for <= 64 rows), ``"ws"`` (warp-specialized Gluon kernels, sm_90), ``"fused"``
+    (Triton kernels) or ``"dequant_mm"`` (Triton dequantize + cuBLAS) for this call. The first call per (pass, M bucket, weight shape, dtype) times
     the candidates and keeps the fastest. ``QERL_NVFP4_FUSED_MAX_M=<rows>`` replaces the timing with a fixed
     rule (Triton fused kernels up to that many rows, dequantize + cuBLAS above; reproducible numerics) and
     ``QERL_NVFP4_NO_DENSE_WEIGHT=1`` drops ``dequant_mm``."""
@@ -126,7 +129,7 @@ def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.T
 
     key = (kind, m_bucket(m), tuple(packed.shape), a.dtype, a.device, os.environ.get(NO_DENSE_ENV, "0"))
     if key not in _PATHS:
-        cands = _candidates(a, packed, scale)
+        cands = _candidates(kind, a, packed, scale)
         if len(cands) == 1:
             _PATHS[key] = cands[0]
         elif torch.cuda.is_current_stream_capturing():  # cannot time inside a CUDA graph capture: warm up first
@@ -147,9 +150,11 @@ def dequant_matmul(kind: str, a: torch.Tensor, packed, scale, global_scale) -> t
 def _path_fn(kind: str, path: str) -> MatmulFn:
     if path == "dequant_mm":
         return lambda a, p, s, g: dequant_matmul(kind, a, p, s, g)
-    if path == "ws":
+    if path in ("ws", "skinny"):
         from . import gluon_kernels as gk
 
+        if path == "skinny":
+            return gk.nvfp4_matmul_fwd_skinny
         return gk.nvfp4_matmul_fwd_ws if kind == "fwd" else gk.nvfp4_matmul_dgrad_ws
     from . import triton_kernels as tk
 

@@ -78,21 +78,29 @@ def _dequant_asm(is_bf16: bool, words: int = 2, pairs: bool = False) -> str:
     low and high half of output ``j``) instead of 16-bit halves, so a kernel that stores the pairs to shared
     memory as 32-bit words needs no repacking moves.
     """
-    sh, mag = (6, "0x01C001C0") if is_bf16 else (3, "0x0E000E00")
-    fma = "fma.rn.bf16x2" if is_bf16 else "fma.rn.f16x2"
     n_out = 4 * words if pairs else 8 * words  # operands: outputs, then the words, then the 16-bit scale
     scale = f"${n_out + words}"
     lines = ["{", ".reg .b32 u, t, m, o, s2, z;", f"mov.b32 s2, {{{scale}, {scale}}};", "mov.b32 z, 0x80008000;"]
     for wi, reg in enumerate(f"${n_out + i}" for i in range(words)):
         lines.append(f"shl.b32 u, {reg}, 4;")
         for b in range(4):
-            sel = hex((b << 12) | ((4 + b) << 4))  # byte 1 <- u[b], byte 3 <- q[b]
-            lines += [f"prmt.b32 t, {reg}, u, {sel};", f"shr.b32 m, t, {sh};", f"and.b32 m, m, {mag};",
-                      "lop3.b32 t, t, 0x80008000, m, 0xEA;",  # (t & sign) | m
-                      f"{fma} o, t, s2, z;",  # * scale (+ -0.0 keeps the product's sign and exactness)
-                      f"mov.b32 ${4 * wi + b}, o;" if pairs else f"mov.b32 {{${8 * wi + 2 * b}, ${8 * wi + 2 * b + 1}}}, o;"]
+            lines += _pair_ptx(reg, hex((b << 12) | ((4 + b) << 4)), is_bf16)
+            lines.append(f"mov.b32 ${4 * wi + b}, o;" if pairs
+                         else f"mov.b32 {{${8 * wi + 2 * b}, ${8 * wi + 2 * b + 1}}}, o;")
     lines.append("}")
     return "\n".join(lines)
+
+
+def _pair_ptx(word: str, sel: str, is_bf16: bool) -> list[str]:
+    """The core of :func:`_dequant_asm`: with ``u = word << 4`` already in ``u``, byte ``b`` of ``word`` (selector
+    ``sel = (b << 12) | ((4 + b) << 4)``, a literal or a register) -> register ``o`` holding its two columns as
+    16-bit floats times the scale pair ``s2`` (``z`` = -0.0 pair)."""
+    sh, mag = (6, "0x01C001C0") if is_bf16 else (3, "0x0E000E00")
+    fma = "fma.rn.bf16x2" if is_bf16 else "fma.rn.f16x2"
+    return [f"prmt.b32 t, {word}, u, {sel};",  # byte 1 <- u[b], byte 3 <- word[b]
+            f"shr.b32 m, t, {sh};", f"and.b32 m, m, {mag};",
+            "lop3.b32 t, t, 0x80008000, m, 0xEA;",  # (t & sign) | m
+            f"{fma} o, t, s2, z;"]  # * scale (+ -0.0 keeps the product's sign and exactness)
 
 
 _ASM_BF16 = tl.constexpr(_dequant_asm(True))
