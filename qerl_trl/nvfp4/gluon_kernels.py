@@ -15,7 +15,11 @@ time, the way CUTLASS's mixed-input GEMMs work:
   (fp16) and stores it.
 
 Each weight element is dequantized once per ``BLOCK_M`` rows of activations, so the ALU cost per MMA flop is
-fixed while the tensor cores stay busy. No host syncs (the global scale is read through a pointer) and no
+fixed while the tensor cores stay busy.
+
+For forwards of at most 64 rows (decode shapes) :func:`nvfp4_matmul_fwd_skinny` swaps the roles instead:
+``yᵀ = Ŵ xᵀ`` with the weight as mma.sync's A operand, each lane dequantizing exactly the bytes its A fragment
+holds, so the weight goes from global memory to the tensor cores through registers only (sm_80+). No host syncs (the global scale is read through a pointer) and no
 per-call allocation beyond the output, so the kernels are CUDA-graph safe. Small M splits the reduction over
 ``SPLIT`` programs that add fp32 partial sums atomically.
 
