@@ -405,13 +405,18 @@ def supported(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> boo
     n, k = packed.shape[0], packed.shape[1] * 2
     if k % 64 or n % 8 or scale.data_ptr() % 4 or packed.data_ptr() % 4:
         return False
-    idx = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    if idx not in _CAP:
-        _CAP[idx] = torch.cuda.get_device_capability(idx)
-    return _CAP[idx] == (9, 0)
+    return _capability(a.device) == (9, 0)
 
 
 _CAP: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability, asked once per device (this runs on every matmul)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAP:
+        _CAP[idx] = torch.cuda.get_device_capability(idx)
+    return _CAP[idx]
 _LAYOUTS: dict[tuple, tuple] = {}
 
 
@@ -558,10 +563,7 @@ def skinny_supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
         return False
     if a.shape[0] > SKINNY_MAX_M or packed.data_ptr() % 4:
         return False
-    idx = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    if idx not in _CAP:
-        _CAP[idx] = torch.cuda.get_device_capability(idx)
-    return _CAP[idx] >= (8, 0)
+    return _capability(a.device) >= (8, 0)
 
 
 def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
