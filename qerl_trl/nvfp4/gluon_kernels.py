@@ -288,8 +288,7 @@ if _IMPORT_ERROR is None:
     _SKINNY_F16 = gl.constexpr(_skinny_asm(False))
 
     @gluon.jit
-    def _skinny_fwd_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, work_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
-                           steps_per_split,
+    def _skinny_fwd_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym, steps_per_split,
                            IS_BF16: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
                            BLOCK_T: gl.constexpr, G: gl.constexpr, EVEN: gl.constexpr, P_LAYOUT: gl.constexpr,
                            S_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr,
@@ -300,11 +299,7 @@ if _IMPORT_ERROR is None:
         Lane ``c`` of a quad must hold columns ``2c, 2c+1, 2c+8, 2c+9`` of each 16-group: bytes ``c`` of the group's
         two words. So every lane of a quad loads the same ``2 G`` words of its row (``P_LAYOUT`` over
         ``[BLOCK_N, 4, 2 G]``: row, lane in quad, word; one 128-bit vector per 4 words) and keeps its own byte;
-        ``S_LAYOUT`` is the same over ``[BLOCK_N, 4, G]`` (row, lane, group). One step covers ``16 G`` inputs.
-
-        With ``SPLIT > 1`` programs share a weight tile along K: each writes its fp32 partial to ``work_ptr``
-        (``[SPLIT, M, N]``) and bumps the tile's counter in ``cnt_ptr``; the last to arrive sums the partials in
-        split order (deterministic), stores ``y`` and resets the counter. One launch, no zero-fill, no cast."""
+        ``S_LAYOUT`` is the same over ``[BLOCK_N, 4, G]`` (row, lane, group). One step covers ``16 G`` inputs."""
         BK: gl.constexpr = 16 * G
         pid_n = gl.program_id(0)
         step0 = gl.program_id(1) * steps_per_split
@@ -385,17 +380,7 @@ if _IMPORT_ERROR is None:
         if SPLIT == 1:
             gl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
         else:
-            part = om[None, :] * N + on[:, None]
-            gl.store(work_ptr + gl.program_id(1) * (M * N) + part, acc, mask=mask)
-            gl.thread_barrier()  # every thread's partial is written before the (single-thread) release below
-            arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                gl.thread_barrier()
-                total = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=ACC_LAYOUT)
-                for sp in gl.static_range(SPLIT):
-                    total += gl.load(work_ptr + sp * (M * N) + part, mask=mask, other=0.0, cache_modifier=".cg")
-                gl.store(ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -583,7 +568,7 @@ def skinny_supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
 
 def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                             global_scale: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
-    """``x [M, K] @ Ŵᵀ`` for ``M <= 64`` on sm_80+: weight-read bound, so the weight goes straight from global
+    """``x [M, K] @ Ŵᵀ`` for ``M <= 16`` on sm_80+: weight-read bound, so the weight goes straight from global
     memory into MMA fragments. ``config`` = (BLOCK_N, warps, G[, BLOCK_T]); BLOCK_T (16, 32 or 64) pads the
     token count for the MMA and defaults to the smallest that holds M."""
     M, K = x.shape
@@ -606,30 +591,11 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     split = max(1, min(total // 4, triton.cdiv(4 * _sm_count(x.device), tiles)))
     per = triton.cdiv(total, split)
     split = triton.cdiv(total, per)
-    y = x.new_empty(M, N)
-    work = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if split > 1 else y
+    y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else x.new_empty(M, N)
     _skinny_fwd_kernel[(tiles, split)](
-        x, packed.view(torch.int32), scale.view(torch.uint8), global_scale, y, work, _counters(x.device, tiles),
-        M, N, K, x.stride(0), y.stride(0),
+        x, packed.view(torch.int32), scale.view(torch.uint8), global_scale, y, M, N, K, x.stride(0), y.stride(0),
         per, IS_BF16=x.dtype == torch.bfloat16, SPLIT=split, BLOCK_N=block_n, BLOCK_T=block_t, G=g,
         EVEN=N % block_n == 0 and K % (16 * g) == 0,
         P_LAYOUT=p_layout, S_LAYOUT=s_layout, A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout,
         X_LAYOUT=x_layout, X_SMEM=x_smem, num_warps=warps)
-    return y
-
-
-_COUNTERS: dict[int, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-tile arrival counters for the split-K reduction; every use leaves them at zero, so one zeroed buffer
-    per device serves all calls on a stream. Grown outside CUDA-graph capture only (a buffer allocated inside a
-    capture belongs to that graph's pool)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _COUNTERS.get(idx)
-    if buf is None or buf.numel() < n:
-        fresh = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-        if torch.cuda.is_current_stream_capturing():
-            return fresh
-        _COUNTERS[idx] = buf = fresh
-    return buf
+    return y.to(x.dtype) if split > 1 else y
