@@ -569,16 +569,19 @@ def skinny_supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
 def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                             global_scale: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
     """``x [M, K] @ Ŵᵀ`` for ``M <= 16`` on sm_80+: weight-read bound, so the weight goes straight from global
-    memory into MMA fragments. ``config`` = (BLOCK_N, warps, G[, BLOCK_T]); BLOCK_T (16, 32 or 64) pads the
-    token count for the MMA and defaults to the smallest that holds M."""
+    memory into MMA fragments. ``config`` = (BLOCK_N, warps, G[, BLOCK_T[, waves]]); BLOCK_T (16, 32 or 64) pads
+    the token count for the MMA (0 or absent: the smallest that holds M); the reduction is split until about
+    ``waves`` (default 4) programs per SM run."""
     M, K = x.shape
     N = packed.shape[0]
     if M > SKINNY_MAX_M:
         raise ValueError(f"skinny NVFP4 kernel takes at most {SKINNY_MAX_M} rows, got {M}")
-    # 128 weight rows and 64 inputs per step; 8 warps (two 16-row MMA tiles each) once M > 32
-    # (H200 probe: 0.76-1.14x cuBLAS at 1 row, 0.83-1.45x at 16, 1.3-2.4x at 64, CUDA-graph timed)
-    block_n, warps, g, *bt = config or (128, 4 if M <= 32 else 8, 4)
-    block_t = bt[0] if bt else max(16, triton.next_power_of_2(M))
+    # 64 inputs per step. Up to 32 rows: 64 weight rows per program, the K split aiming at 8 programs per SM;
+    # above: 128 weight rows, 8 warps, 4 programs per SM (H200 probes over tile sizes and split targets,
+    # CUDA-graph timed: 0.72-1.39x cuBLAS at 16 rows, 1.2-2.5x at 64)
+    block_n, warps, g, *rest = config or ((64, 4, 4, 0, 8) if M <= 32 else (128, 8, 4, 0, 4))
+    block_t = rest[0] if rest and rest[0] else max(16, triton.next_power_of_2(M))
+    waves = rest[1] if len(rest) > 1 else 4  # programs per SM the K split aims for
     if block_t < M:
         raise ValueError(f"skinny NVFP4 kernel: BLOCK_T={block_t} is smaller than M={M}")
     p_layout, s_layout, a_layout, b_layout, acc_layout, x_layout, x_smem = _skinny_layouts(block_n, warps, g,
@@ -588,7 +591,7 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     scale = scale if scale.is_contiguous() else scale.contiguous()
     total = triton.cdiv(K, 16 * g)
     tiles = triton.cdiv(N, block_n)
-    split = max(1, min(total // 4, triton.cdiv(4 * _sm_count(x.device), tiles)))
+    split = max(1, min(total // 4, triton.cdiv(waves * _sm_count(x.device), tiles)))
     per = triton.cdiv(total, split)
     split = triton.cdiv(total, per)
     y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else x.new_empty(M, N)
