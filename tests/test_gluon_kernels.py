@@ -127,6 +127,17 @@ def test_gpu_unsupported_shapes_fall_back():
 
 @pytest.mark.gpu
 @hopper
+def test_gpu_wrong_activation_width_is_refused_not_read_out_of_bounds():
+    gk = _gk()
+    q = _weight(256, 512, device="cuda")
+    x = torch.randn(8, 320, device="cuda", dtype=torch.bfloat16)
+    for fn in (gk.nvfp4_matmul_fwd_skinny, gk.nvfp4_matmul_fwd_ws, gk.nvfp4_matmul_dgrad_ws):
+        with pytest.raises(ValueError, match="columns"):
+            fn(x, *q)
+
+
+@pytest.mark.gpu
+@hopper
 def test_gpu_no_dense_mode_never_writes_w_hat(monkeypatch):
     """QERL_NVFP4_NO_DENSE_WEIGHT=1: dequantize + cuBLAS is never chosen, at any M, and the backward of an
     NVFP4Linear runs without the dense-Ŵ kernel."""

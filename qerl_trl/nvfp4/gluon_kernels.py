@@ -52,7 +52,7 @@ try:  # Gluon is experimental: keep every import failure local to this module
 except Exception as e:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = e
 
-from .triton_kernels import _dequant_asm, _pair_ptx
+from .triton_kernels import _check, _dequant_asm, _pair_ptx
 
 __all__ = ["available", "supported", "skinny_supported", "nvfp4_matmul_fwd_ws", "nvfp4_matmul_dgrad_ws",
            "nvfp4_matmul_fwd_skinny"]
@@ -409,14 +409,36 @@ def supported(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> boo
 
 
 _CAP: dict[int, tuple[int, int]] = {}
+_SMS: dict[int, int] = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
     """Compute capability, asked once per device (this runs on every matmul)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     if idx not in _CAP:
         _CAP[idx] = torch.cuda.get_device_capability(idx)
     return _CAP[idx]
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = _index(device)
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def _split(total_steps: int, tiles: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
+    """(SPLIT, steps per split) for a split-K launch: split the reduction until about ``programs_per_sm``
+    programs per SM run, keeping at least 4 steps per split; no split ends empty."""
+    split = max(1, min(total_steps // 4, triton.cdiv(programs_per_sm * _sm_count(device), tiles)))
+    per = triton.cdiv(total_steps, split)
+    return triton.cdiv(total_steps, per), per
+
+
 _LAYOUTS: dict[tuple, tuple] = {}
 
 
@@ -453,8 +475,7 @@ def _run(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     M = a.shape[0]
     N, K = packed.shape[0], packed.shape[1] * 2
     out_cols, red = (N, K) if kind == "fwd" else (K, N)
-    if a.shape[1] != red:
-        raise ValueError(f"NVFP4 matmul: activation has {a.shape[1]} columns, weight expects {red}")
+    _check(a, packed, scale, global_scale, red)
     if a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16:
         a = a.contiguous()  # TMA wants 16-byte aligned rows
     packed = packed if packed.is_contiguous() else packed.contiguous()
@@ -466,12 +487,8 @@ def _run(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     a_desc = TensorDescriptor.from_tensor(a, [bm, br], a_smem)
     total = triton.cdiv(red, br)
     tiles = triton.cdiv(M, bm) * triton.cdiv(out_cols, bo)
-    split = 1
-    if M <= SMALL_M:  # fill the SMs: split the reduction, at least 4 steps per split
-        sms = _sm_count(a.device)
-        split = max(1, min(total // 4, triton.cdiv(2 * sms, tiles)))
-    per = triton.cdiv(total, split)
-    split = triton.cdiv(total, per)
+    # small M: one M tile, so split the reduction to fill the SMs
+    split, per = _split(total, tiles, 2, a.device) if M <= SMALL_M else (1, total)
     if split > 1:
         out = torch.zeros(M, out_cols, device=a.device, dtype=torch.float32)
     else:
@@ -501,16 +518,6 @@ def _maxnreg(total_warps: int) -> int:
 def _full(config: tuple) -> tuple:
     """Configs may leave out the producer warps (4)."""
     return tuple(config) if len(config) == 6 else (*config, 4)
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
 
 
 def nvfp4_matmul_fwd_ws(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -551,7 +558,7 @@ def _skinny_layouts(block_n: int, warps: int, g: int, block_t: int):
         acc = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
         tpr = min(32, 16 * g // 8)  # threads per activation row: 8 values (16 bytes) each
         x_layout = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [warps, 1], [1, 0])
-        x_smem = gl.NVMMASharedLayout.get_default_for([block_t, 16 * g], gl.bfloat16)
+        x_smem = gl.NVMMASharedLayout.get_default_for([block_t, 16 * g], gl.bfloat16)  # fp16: same 16-bit layout
         _SKINNY_LAYOUTS[key] = (p_layout, s_layout, gl.DotOperandLayout(0, acc, 2), gl.DotOperandLayout(1, acc, 2),
                                 acc, x_layout, x_smem)
     return _SKINNY_LAYOUTS[key]
@@ -568,12 +575,13 @@ def skinny_supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
 
 def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                             global_scale: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
-    """``x [M, K] @ Ŵᵀ`` for ``M <= 16`` on sm_80+: weight-read bound, so the weight goes straight from global
+    """``x [M, K] @ Ŵᵀ`` for ``M <= 64`` on sm_80+: weight-read bound, so the weight goes straight from global
     memory into MMA fragments. ``config`` = (BLOCK_N, warps, G[, BLOCK_T[, waves]]); BLOCK_T (16, 32 or 64) pads
     the token count for the MMA (0 or absent: the smallest that holds M); the reduction is split until about
     ``waves`` (default 4) programs per SM run."""
     M, K = x.shape
     N = packed.shape[0]
+    _check(x, packed, scale, global_scale, packed.shape[1] * 2)
     if M > SKINNY_MAX_M:
         raise ValueError(f"skinny NVFP4 kernel takes at most {SKINNY_MAX_M} rows, got {M}")
     # 64 inputs per step. Up to 32 rows: 64 weight rows per program, the K split aiming at 8 programs per SM;
@@ -591,9 +599,7 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     scale = scale if scale.is_contiguous() else scale.contiguous()
     total = triton.cdiv(K, 16 * g)
     tiles = triton.cdiv(N, block_n)
-    split = max(1, min(total // 4, triton.cdiv(waves * _sm_count(x.device), tiles)))
-    per = triton.cdiv(total, split)
-    split = triton.cdiv(total, per)
+    split, per = _split(total, tiles, waves, x.device)
     y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else x.new_empty(M, N)
     _skinny_fwd_kernel[(tiles, split)](
         x, packed.view(torch.int32), scale.view(torch.uint8), global_scale, y, M, N, K, x.stride(0), y.stride(0),

@@ -117,8 +117,8 @@ def _candidates(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.T
 def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 global_scale: torch.Tensor) -> str:
     """``"skinny"`` (Gluon forward for <= 64 rows), ``"ws"`` (warp-specialized Gluon kernels, sm_90), ``"fused"``
-    (Triton kernels) or ``"dequant_mm"`` (Triton dequantize + cuBLAS) for this call. The first call per (pass, M bucket, weight shape, dtype) times
-    the candidates and keeps the fastest. ``QERL_NVFP4_FUSED_MAX_M=<rows>`` replaces the timing with a fixed
+    (Triton kernels) or ``"dequant_mm"`` (Triton dequantize + cuBLAS) for this call. The first call per (pass,
+    M bucket, weight shape, dtype) times the candidates and keeps the fastest. ``QERL_NVFP4_FUSED_MAX_M=<rows>`` replaces the timing with a fixed
     rule (Triton fused kernels up to that many rows, dequantize + cuBLAS above; reproducible numerics) and
     ``QERL_NVFP4_NO_DENSE_WEIGHT=1`` drops ``dequant_mm``."""
     m = a.shape[0]
@@ -147,18 +147,27 @@ def dequant_matmul(kind: str, a: torch.Tensor, packed, scale, global_scale) -> t
     return a @ (w.t() if kind == "fwd" else w)
 
 
+_PATH_FNS: dict[tuple[str, str], MatmulFn] = {}
+
+
 def _path_fn(kind: str, path: str) -> MatmulFn:
-    if path == "dequant_mm":
-        return lambda a, p, s, g: dequant_matmul(kind, a, p, s, g)
-    if path in ("ws", "skinny"):
+    """The entry point of ``path`` for ``kind`` (resolved once: this runs on every matmul)."""
+    fn = _PATH_FNS.get((kind, path))
+    if fn is None:
         from . import gluon_kernels as gk
+        from . import triton_kernels as tk
 
-        if path == "skinny":
-            return gk.nvfp4_matmul_fwd_skinny
-        return gk.nvfp4_matmul_fwd_ws if kind == "fwd" else gk.nvfp4_matmul_dgrad_ws
-    from . import triton_kernels as tk
-
-    return tk.nvfp4_matmul_fwd if kind == "fwd" else tk.nvfp4_matmul_dgrad
+        fn = {
+            ("fwd", "dequant_mm"): lambda a, p, s, g: dequant_matmul("fwd", a, p, s, g),
+            ("dgrad", "dequant_mm"): lambda a, p, s, g: dequant_matmul("dgrad", a, p, s, g),
+            ("fwd", "skinny"): gk.nvfp4_matmul_fwd_skinny,
+            ("fwd", "ws"): gk.nvfp4_matmul_fwd_ws,
+            ("dgrad", "ws"): gk.nvfp4_matmul_dgrad_ws,
+            ("fwd", "fused"): tk.nvfp4_matmul_fwd,
+            ("dgrad", "fused"): tk.nvfp4_matmul_dgrad,
+        }[(kind, path)]
+        _PATH_FNS[(kind, path)] = fn
+    return fn
 
 
 #: Up to this many rows the candidates are timed replayed from a CUDA graph: such matmuls take ~10 µs, so eager
