@@ -52,6 +52,7 @@ try:  # Gluon is experimental: keep every import failure local to this module
 except Exception as e:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = e
 
+from ._launch import KernelLauncher
 from .triton_kernels import _check, _dequant_asm, _pair_ptx
 
 __all__ = ["available", "supported", "skinny_supported", "nvfp4_matmul_fwd_ws", "nvfp4_matmul_dgrad_ws",
@@ -389,6 +390,10 @@ if _IMPORT_ERROR is None:
 #: tiles, and 8 producer warps (two per scheduler) dequantize faster than 4. H200 probes at 2048/8192 rows
 #: (7B shapes): 128-row tiles 2.0-2.4x cuBLAS, 256-row tiles with 4 producer warps 1.3-1.5x, with 8 1.2-1.4x
 #: (benchmarks/results/train_matmul-h200.json has the committed numbers).
+if _IMPORT_ERROR is None:
+    _ws_launch = KernelLauncher(_ws_kernel)
+    _skinny_launch = KernelLauncher(_skinny_fwd_kernel)
+
 _CONFIGS = {
     "small": (64, 128, 64, 4, 4, 4),  # M <= 64: one M tile, the reduction split over SPLIT programs
     "mid": (128, 128, 64, 4, 4, 8),  # M <= 128
@@ -493,14 +498,16 @@ def _run(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
         out = torch.zeros(M, out_cols, device=a.device, dtype=torch.float32)
     else:
         out = a.new_empty(M, out_cols)
-    _ws_kernel[(tiles, split)](
-        a_desc, packed.view(torch.int32), scale.view(torch.uint8).view(torch.int32 if wpt == 8 else torch.int16),
-        global_scale, out,
-        M, N, K, out.stride(0), per,
-        IS_FWD=kind == "fwd", IS_BF16=a.dtype == torch.bfloat16, SPLIT=split, GROUP_M=8, STAGES=stages,
-        WR=wr, WC=wc, W_LAYOUT=w_layout, S_LAYOUT=s_layout, W_SMEM=w_smem, W_SMEM32=w_smem32, ACC_LAYOUT=acc_layout,
-        OUT_LAYOUT=out_layout, EVEN=N % wr == 0 and K % wc == 0, PRODUCER_WARPS=pw, PRODUCER_REGS=_PRODUCER_REGS[pw],
-        num_warps=warps, maxnreg=_maxnreg(warps + pw))
+    is_fwd, is_bf16, even = kind == "fwd", a.dtype == torch.bfloat16, N % wr == 0 and K % wc == 0
+    _ws_launch(
+        (tiles, split),
+        (a_desc, packed.view(torch.int32), scale.view(torch.uint8).view(torch.int32 if wpt == 8 else torch.int16),
+         global_scale, out, M, N, K, out.stride(0), per),
+        ("ws", is_fwd, is_bf16, split, bm, bo, br, stages, warps, pw, even),
+        dict(IS_FWD=is_fwd, IS_BF16=is_bf16, SPLIT=split, GROUP_M=8, STAGES=stages, WR=wr, WC=wc, W_LAYOUT=w_layout,
+             S_LAYOUT=s_layout, W_SMEM=w_smem, W_SMEM32=w_smem32, ACC_LAYOUT=acc_layout, OUT_LAYOUT=out_layout,
+             EVEN=even, PRODUCER_WARPS=pw, PRODUCER_REGS=_PRODUCER_REGS[pw]),
+        dict(num_warps=warps, maxnreg=_maxnreg(warps + pw)))
     return out.to(a.dtype) if split > 1 else out
 
 
@@ -601,10 +608,14 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     tiles = triton.cdiv(N, block_n)
     split, per = _split(total, tiles, waves, x.device)
     y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else x.new_empty(M, N)
-    _skinny_fwd_kernel[(tiles, split)](
-        x, packed.view(torch.int32), scale.view(torch.uint8), global_scale, y, M, N, K, x.stride(0), y.stride(0),
-        per, IS_BF16=x.dtype == torch.bfloat16, SPLIT=split, BLOCK_N=block_n, BLOCK_T=block_t, G=g,
-        EVEN=N % block_n == 0 and K % (16 * g) == 0,
-        P_LAYOUT=p_layout, S_LAYOUT=s_layout, A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout,
-        X_LAYOUT=x_layout, X_SMEM=x_smem, num_warps=warps)
+    is_bf16, even = x.dtype == torch.bfloat16, N % block_n == 0 and K % (16 * g) == 0
+    _skinny_launch(
+        (tiles, split),
+        (x, packed.view(torch.int32), scale.view(torch.uint8), global_scale, y, M, N, K, x.stride(0), y.stride(0),
+         per),
+        ("skinny", is_bf16, split, block_n, block_t, g, even, warps),
+        dict(IS_BF16=is_bf16, SPLIT=split, BLOCK_N=block_n, BLOCK_T=block_t, G=g, EVEN=even,
+             P_LAYOUT=p_layout, S_LAYOUT=s_layout, A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout,
+             X_LAYOUT=x_layout, X_SMEM=x_smem),
+        dict(num_warps=warps))
     return y.to(x.dtype) if split > 1 else y

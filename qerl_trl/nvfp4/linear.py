@@ -140,7 +140,10 @@ class NVFP4Linear(nn.Module):
                 f"NVFP4Linear input is on {x.device} but its weights are on {self.weight_packed.device}; "
                 "move the model or the input"
             )
-        y = _NVFP4LinearFn.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
+        if x.requires_grad and torch.is_grad_enabled():
+            y = _NVFP4LinearFn.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
+        else:  # nothing to differentiate (rollout log-probs, eval): skip autograd.Function's per-call cost
+            y = nvfp4_linear_forward(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

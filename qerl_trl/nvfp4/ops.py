@@ -26,14 +26,23 @@ class Backend:
     forward: MatmulFn  # (x [M, K], packed [N, K/2], scale [N, K/16], global [1]) -> y [M, N]
     dgrad: MatmulFn  # (dy [M, N], packed [N, K/2], scale [N, K/16], global [1]) -> dx [M, K]
     supports: Callable[[torch.Tensor, torch.Tensor], bool]  # (activation, packed) -> bool
+    #: optional (kind, a, packed, scale, global) -> (entry point for this call, whether it may be reused for
+    #: every call with the same plan key); without it the plan is ``forward`` / ``dgrad``
+    resolve: Callable[..., tuple[MatmulFn, bool]] | None = None
 
 
 _BACKENDS: list[Backend] = []
+#: (pass, rows, weight shape, dtypes, devices, 16-byte alignments, env switches) -> the entry point to call.
+#: Everything a backend's ``supports`` and path choice look at is in the key, so each matmul costs one dict lookup
+#: instead of re-deciding (the decision chain costs tens of µs of Python, as much as a small matmul).
+_PLANS: dict[tuple, MatmulFn] = {}
+_ENV_SWITCHES = ("QERL_NVFP4_BACKEND", "QERL_NVFP4_FUSED_MAX_M", "QERL_NVFP4_NO_DENSE_WEIGHT", "QERL_NVFP4_GLUON")
 
 
 def register_backend(backend: Backend) -> None:
     """Add a fast backend; later registrations take precedence."""
     _BACKENDS.insert(0, backend)
+    _PLANS.clear()
 
 
 def _pick(x: torch.Tensor, packed: torch.Tensor) -> Backend | None:
@@ -55,20 +64,37 @@ def reference_dgrad(dy2d, packed, scale, global_scale):
     return dy2d @ w
 
 
+def _plan(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> MatmulFn:
+    """The entry point for this call, decided once per plan key (see ``_PLANS``)."""
+    get = os.environ.get
+    key = (kind, a.shape, packed.shape, a.dtype, packed.dtype, a.get_device(), packed.get_device(),
+           a.data_ptr() % 16, packed.data_ptr() % 16, scale.data_ptr() % 16, *(get(e) for e in _ENV_SWITCHES))
+    fn = _PLANS.get(key)
+    if fn is None:
+        b = _pick(a, packed)
+        if b is None:
+            fn, final = (reference_forward if kind == "fwd" else reference_dgrad), True
+        elif b.resolve is not None:
+            fn, final = b.resolve(kind, a, packed, scale, gs)
+        else:
+            fn, final = (b.forward if kind == "fwd" else b.dgrad), True
+        if final:
+            _PLANS[key] = fn
+    return fn
+
+
 def nvfp4_linear_forward(x: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
     """``x [..., K] @ Ŵᵀ -> [..., N]`` without ever keeping Ŵ beyond this call."""
-    x2d = x.reshape(-1, x.shape[-1])
-    b = _pick(x2d, packed)
-    y = (b.forward if b else reference_forward)(x2d, packed, scale, global_scale)
-    return y.reshape(*x.shape[:-1], packed.shape[0])
+    x2d = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+    y = _plan("fwd", x2d, packed, scale, global_scale)(x2d, packed, scale, global_scale)
+    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
 
 
 def nvfp4_linear_dgrad(dy: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
     """``dy [..., N] @ Ŵ -> [..., K]``: the input gradient, dequantizing again instead of saving Ŵ."""
-    dy2d = dy.reshape(-1, dy.shape[-1])
-    b = _pick(dy2d, packed)
-    dx = (b.dgrad if b else reference_dgrad)(dy2d, packed, scale, global_scale)
-    return dx.reshape(*dy.shape[:-1], packed.shape[1] * 2)
+    dy2d = dy if dy.ndim == 2 else dy.reshape(-1, dy.shape[-1])
+    dx = _plan("dgrad", dy2d, packed, scale, global_scale)(dy2d, packed, scale, global_scale)
+    return dx if dy.ndim == 2 else dx.reshape(*dy.shape[:-1], packed.shape[1] * 2)
 
 
 def active_backend_name(x: torch.Tensor, packed: torch.Tensor) -> str:
@@ -127,16 +153,27 @@ def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.T
         return "fused" if m <= int(forced) else "dequant_mm"
     from .triton_kernels import m_bucket
 
+    return _triton_decision(kind, a, packed, scale, global_scale)[0]
+
+
+def _triton_decision(kind, a, packed, scale, global_scale) -> tuple[str, bool]:
+    """(path, final): final is False only inside a CUDA-graph capture before this bucket was timed."""
+    m = a.shape[0]
+    forced = os.environ.get("QERL_NVFP4_FUSED_MAX_M")
+    if forced is not None:
+        return ("fused" if m <= int(forced) else "dequant_mm"), True
+    from .triton_kernels import m_bucket
+
     key = (kind, m_bucket(m), tuple(packed.shape), a.dtype, a.device, os.environ.get(NO_DENSE_ENV, "0"))
     if key not in _PATHS:
         cands = _candidates(kind, a, packed, scale)
         if len(cands) == 1:
             _PATHS[key] = cands[0]
         elif torch.cuda.is_current_stream_capturing():  # cannot time inside a CUDA graph capture: warm up first
-            return cands[0]
+            return cands[0], False
         else:
             _PATHS[key] = _time_paths(kind, a, packed, scale, global_scale, cands)
-    return _PATHS[key]
+    return _PATHS[key], True
 
 
 def dequant_matmul(kind: str, a: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
@@ -207,8 +244,13 @@ def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
     return triton_kernels.supported(x, packed)
 
 
+def _triton_resolve(kind: str, a, packed, scale, global_scale) -> tuple[MatmulFn, bool]:
+    path, final = _triton_decision(kind, a, packed, scale, global_scale)
+    return _path_fn(kind, path), final
+
+
 def _triton_matmul(kind: str, a, packed, scale, global_scale):
-    return _path_fn(kind, triton_path(kind, a, packed, scale, global_scale))(a, packed, scale, global_scale)
+    return _triton_resolve(kind, a, packed, scale, global_scale)[0](a, packed, scale, global_scale)
 
 
 def _triton_forward(x2d, packed, scale, global_scale):
@@ -219,4 +261,5 @@ def _triton_dgrad(dy2d, packed, scale, global_scale):
     return _triton_matmul("dgrad", dy2d, packed, scale, global_scale)
 
 
-register_backend(Backend(name="triton", forward=_triton_forward, dgrad=_triton_dgrad, supports=_triton_supports))
+register_backend(Backend(name="triton", forward=_triton_forward, dgrad=_triton_dgrad, supports=_triton_supports,
+                         resolve=_triton_resolve))
