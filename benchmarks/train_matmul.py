@@ -9,8 +9,8 @@ nvfp4_ms}``: ``naive`` is QeRL's PyTorch unpack + cuBLAS, ``nvfp4`` what ``NVFP4
 ``qerl_trl.nvfp4.ops``). Each row also times both of our paths, ``fused_ms`` (the Triton kernels that never write
 Ŵ) and ``dequant_mm_ms`` (one Triton dequantize pass + cuBLAS), names the one dispatched (``nvfp4_path``) and
 gives the fused kernel's error against the fp32 reference and its tuned config. On Hopper it also times the
-warp-specialized Gluon kernels (``ws_ms``, never write Ŵ either) with their per-M default config, and for
-forward passes of at most 64 rows the skinny Gluon kernel (``skinny_ms``). Up to 64 rows it also replays BF16
+warp-specialized Gluon kernels (``ws_ms``, never write Ŵ either) with their per-M default config, and up to 64
+rows the skinny Gluon kernels (``skinny_ms``, forward and input gradient). Up to 64 rows it also replays BF16
 and the dispatched path from CUDA graphs (``bf16_graph_ms``, ``nvfp4_graph_ms``): the rollout engine runs
 decode-sized matmuls that way, and eager timing of a ~10 µs matmul mostly measures Python launch cost.
 """
@@ -117,8 +117,9 @@ def main() -> None:
                     del ref
                     t_ws = bench([lambda Q=Q: ws_fn(a, *Q) for Q in qs])
                 t_skinny = None
-                if pas == "fwd" and gk.skinny_supported(a, q.weight_packed):
-                    t_skinny = bench([lambda Q=Q: gk.nvfp4_matmul_fwd_skinny(a, *Q) for Q in qs])
+                if gk.skinny_supported(a, q.weight_packed):
+                    sk_fn = gk.nvfp4_matmul_fwd_skinny if pas == "fwd" else gk.nvfp4_matmul_dgrad_skinny
+                    t_skinny = bench([lambda Q=Q: sk_fn(a, *Q) for Q in qs])
                 graph = {}
                 if m <= GRAPH_MAX_M:  # decode-sized: also time inside CUDA graphs, as vLLM runs them
                     w0 = ws[0]

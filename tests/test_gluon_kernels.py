@@ -68,6 +68,38 @@ def test_skinny_ptx_recipe_is_exact_for_every_lane_code_and_scale(is_bf16):
                     assert got == want, (scale, c, col, code, got, want)
 
 
+@pytest.mark.parametrize("is_bf16", [True, False])
+def test_skinny_dgrad_ptx_recipe_is_exact_for_every_lane_code_and_scale(is_bf16):
+    """The skinny input-gradient PTX: lane group ``g`` takes code ``g`` of a word of row ``n`` and of row ``n + 1``
+    (rotations ``(12 - 4g) & 31`` and ``+ 16``) and gets both values exactly, each with its own row's scale."""
+    import numpy as np
+
+    from test_triton_kernels import _run_ptx
+
+    gk = _gk()
+    asm = gk._skinny_dgrad_asm(is_bf16)
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    fp = torch.bfloat16 if is_bf16 else torch.float16
+    rng = np.random.default_rng(2)
+
+    def bits(scale):
+        return int(torch.tensor(scale * 2.0**119 if is_bf16 else scale, dtype=fp).view(torch.int16)) & 0xFFFF
+
+    for sa, sb in [(2.0**-9, 448.0), (0.125, 1.0), (17.0, 2.0**-9), (448.0, 448.0)]:
+        for trial in range(20):
+            ca = [(trial + j) % 16 for j in range(8)] if trial < 16 else list(rng.integers(0, 16, 8))
+            cb = [(3 * trial + 5 * j) % 16 for j in range(8)] if trial < 16 else list(rng.integers(0, 16, 8))
+            wa = sum(int(v) << (4 * j) for j, v in enumerate(ca))
+            wb = sum(int(v) << (4 * j) for j, v in enumerate(cb))
+            for g in range(8):
+                rot = (12 - 4 * g) & 31
+                out = _run_ptx(asm, {2: wa, 3: wb, 4: rot, 5: (rot + 16) & 31, 6: bits(sa), 7: bits(sb)})
+                for slot, (code, scale) in enumerate(((ca[g], sa), (cb[g], sb))):
+                    want = (-1.0 if code & 8 else 1.0) * e2m1[code & 7] * scale * (2.0**-7 if is_bf16 else 2.0**-14)
+                    got = float(torch.tensor([out[slot]], dtype=torch.int32).to(torch.int16).view(fp).item())
+                    assert got == want, (sa, sb, g, slot, code, got, want)
+
+
 def test_cpu_module_imports_and_declines():
     """Importing never fails, and the kernels refuse CPU tensors and the interpreter (Triton takes over)."""
     gk = _gk()
@@ -175,16 +207,37 @@ def test_gpu_skinny_fwd_matches_fp32(dtype, n, k, m):
 
 @pytest.mark.gpu
 @hopper
-def test_gpu_skinny_refuses_too_many_rows_and_dispatch_offers_it_for_forward_only():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(3584, 3584), (1000, 3584), (3584, 1040), (96, 160)])
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
+@pytest.mark.parametrize("config", [None, (4, 1, 4), (8, 2, 2, 0, 2)])
+def test_gpu_skinny_dgrad_matches_fp32(dtype, n, k, m, config):
+    gk = _gk()
+    q = _weight(n, k, device="cuda", seed=n + k + m)
+    dy = torch.randn(m, n, device="cuda", dtype=dtype)
+    dx = gk.nvfp4_matmul_dgrad_skinny(dy, *q, config=config)
+    assert dx.shape == (m, k) and dx.dtype == dtype
+    assert _rel(dx, dy.float() @ F.dequantize(*q, dtype=torch.float32)) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_skinny_refuses_too_many_rows_and_dispatch_offers_it_for_both_passes():
     gk = _gk()
     q = _weight(512, 256, device="cuda")
     assert not gk.skinny_supported(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), q.weight_packed)
     with pytest.raises(ValueError, match="at most 64 rows"):
         gk.nvfp4_matmul_fwd_skinny(torch.randn(65, 256, device="cuda", dtype=torch.bfloat16), *q)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        gk.nvfp4_matmul_dgrad_skinny(torch.randn(65, 512, device="cuda", dtype=torch.bfloat16), *q)
+    with pytest.raises(ValueError, match="columns"):
+        gk.nvfp4_matmul_dgrad_skinny(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16), *q)
     x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
     assert ops._candidates("fwd", x, q.weight_packed, q.weight_scale)[0] == "skinny"
-    assert "skinny" not in ops._candidates("dgrad", torch.randn(8, 512, device="cuda", dtype=torch.bfloat16),
-                                           q.weight_packed, q.weight_scale)
+    dy = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    assert ops._candidates("dgrad", dy, q.weight_packed, q.weight_scale)[0] == "skinny"
+    assert _rel(ops._path_fn("dgrad", "skinny")(dy, *q), dy.float() @ F.dequantize(*q, dtype=torch.float32)) \
+        < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -246,6 +246,9 @@ def _run_ptx(asm: str, args: dict[int, int]) -> dict[int, int]:
             regs[d] = val(a[0]) >> val(a[1])
         elif op == "and.b32":
             regs[d] = val(a[0]) & val(a[1])
+        elif op == "shf.l.wrap.b32":  # funnel shift of (a[1]:a[0]) left by a[2] mod 32, high word
+            lo, hi, n = val(a[0]), val(a[1]), val(a[2]) & 31
+            regs[d] = (((hi << 32 | lo) << n) >> 32) & 0xFFFFFFFF
         elif op == "lop3.b32":
             x, y, z, lut = (val(t) for t in a)
             regs[d] = sum(((lut >> ((x >> i & 1) << 2 | (y >> i & 1) << 1 | (z >> i & 1))) & 1) << i for i in range(32))

@@ -19,7 +19,9 @@ fixed while the tensor cores stay busy.
 
 For forwards of at most 64 rows (decode shapes) :func:`nvfp4_matmul_fwd_skinny` swaps the roles instead:
 ``yᵀ = Ŵ xᵀ`` with the weight as mma.sync's A operand, each lane dequantizing exactly the bytes its A fragment
-holds, so the weight goes from global memory to the tensor cores through registers only (sm_80+). No host syncs (the global scale is read through a pointer) and no
+holds, so the weight goes from global memory to the tensor cores through registers only (sm_80+);
+:func:`nvfp4_matmul_dgrad_skinny` does the same for ``dxᵀ = Ŵᵀ dyᵀ``, each lane picking one code out of each
+word it loads, since a fragment register of ``Ŵᵀ`` pairs two rows of Ŵ. No host syncs (the global scale is read through a pointer) and no
 per-call allocation beyond the output, so the kernels are CUDA-graph safe. Small M splits the reduction over
 ``SPLIT`` programs that add fp32 partial sums atomically.
 
@@ -56,7 +58,7 @@ from ._launch import KernelLauncher
 from .triton_kernels import _check, _dequant_asm, _pair_ptx
 
 __all__ = ["available", "supported", "skinny_supported", "nvfp4_matmul_fwd_ws", "nvfp4_matmul_dgrad_ws",
-           "nvfp4_matmul_fwd_skinny"]
+           "nvfp4_matmul_fwd_skinny", "nvfp4_matmul_dgrad_skinny"]
 
 
 def _skinny_asm(is_bf16: bool) -> str:
@@ -68,6 +70,26 @@ def _skinny_asm(is_bf16: bool) -> str:
         lines += [f"shl.b32 u, {reg}, 4;", *_pair_ptx(reg, "$6", is_bf16), f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, o;"]
     lines.append("}")
     return "\n".join(lines)
+
+
+def _skinny_dgrad_asm(is_bf16: bool) -> str:
+    """PTX for the skinny input-gradient kernel: code ``g`` of word ``$2`` (row ``n``) and of word ``$3`` (row
+    ``n + 1``), ``$4`` / ``$5`` the rotations that bring it to the top nibble of each half, scaled by ``$6`` /
+    ``$7`` -> the two 16-bit values an MMA A fragment of ``Ŵᵀ`` holds in one register (rows ``n, n + 1`` of one
+    input column). The codes are put where the Marlin recipe of :func:`~qerl_trl.nvfp4.triton_kernels._pair_ptx`
+    expects them (top nibbles of the two halves), then the same exact shift/mask/fma follows, one scale per half."""
+    sh, mag = (6, "0x01C001C0") if is_bf16 else (3, "0x0E000E00")
+    fma = "fma.rn.bf16x2" if is_bf16 else "fma.rn.f16x2"
+    return "\n".join([
+        "{", ".reg .b32 a, b, t, m, o, s2, z;", "mov.b32 z, 0x80008000;",
+        # rotate code g of row n to bits 12-15 and of row n + 1 to bits 28-31 ($4 = (12 - 4g) & 31, $5 = $4 + 16);
+        # the other bits are never read below, so one byte permute merges the two halves
+        "shf.l.wrap.b32 a, $2, $2, $4;", "shf.l.wrap.b32 b, $3, $3, $5;", "prmt.b32 t, a, b, 0x7610;",
+        "mov.b32 s2, {$6, $7};",
+        f"shr.b32 m, t, {sh};", f"and.b32 m, m, {mag};",
+        "lop3.b32 t, t, 0x80008000, m, 0xEA;",
+        f"{fma} o, t, s2, z;",
+        "mov.b32 {$0, $1}, o;", "}"])
 
 
 #: Gluon's API is experimental and changes between Triton releases; these kernels were written against 3.6.
@@ -287,6 +309,8 @@ if _IMPORT_ERROR is None:
 
     _SKINNY_BF16 = gl.constexpr(_skinny_asm(True))
     _SKINNY_F16 = gl.constexpr(_skinny_asm(False))
+    _SKINNY_DGRAD_BF16 = gl.constexpr(_skinny_dgrad_asm(True))
+    _SKINNY_DGRAD_F16 = gl.constexpr(_skinny_dgrad_asm(False))
 
     @gluon.jit
     def _skinny_fwd_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym, steps_per_split,
@@ -384,6 +408,95 @@ if _IMPORT_ERROR is None:
             gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
 
 
+    @gluon.jit
+    def _skinny_dgrad_kernel(dy_ptr, wq_ptr, ws_ptr, gs_ptr, dx_ptr, M, N, K, stride_dm, stride_xm, steps_per_split,
+                             IS_BF16: gl.constexpr, SPLIT: gl.constexpr, BLOCK_K: gl.constexpr,
+                             BLOCK_T: gl.constexpr, G: gl.constexpr, EVEN: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                             A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr,
+                             D_LAYOUT: gl.constexpr, D_SMEM: gl.constexpr):
+        """``dx [M, K] = dy @ Ŵ`` for a few rows: ``dxᵀ = Ŵᵀ dyᵀ`` with ``Ŵᵀ`` as the MMA's A operand, built in
+        registers. An A fragment register holds two *rows* ``n, n + 1`` of Ŵ at one input column, and the codes
+        of a row run along the columns, so here every lane of an 8-lane group loads the same two words (16
+        columns) of its rows and keeps code ``g`` (its lane / 4) of each: ``Q_LAYOUT`` over ``[BR, 8, BLOCK_K / 8]``
+        (reduction row, lane group index, word) gives each lane exactly the words its fragment needs, and the
+        dequantized tile is reshaped into the A layout with no data movement. ``BR = 16 G`` rows per step."""
+        BR: gl.constexpr = 16 * G
+        WK: gl.constexpr = BLOCK_K // 8
+        pid_k = gl.program_id(0)
+        step0 = gl.program_id(1) * steps_per_split
+        n_steps = gl.minimum(gl.cdiv(N, BR) - step0, steps_per_split)
+        off_k = pid_k * BLOCK_K
+        n_start = step0 * BR
+
+        rn = gl.arange(0, BR, layout=gl.SliceLayout(1, gl.SliceLayout(2, Q_LAYOUT)))
+        rg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, Q_LAYOUT)))
+        rw = gl.arange(0, WK, layout=gl.SliceLayout(0, gl.SliceLayout(1, Q_LAYOUT)))
+        words = off_k // 8 + rw
+        q_off = (n_start + rn)[:, None, None] * (K // 8) + 0 * rg[None, :, None] + words[None, None, :]
+        s_off = (n_start + rn)[:, None, None] * (K // 16) + 0 * rg[None, :, None] + (words // 2)[None, None, :]
+        q_ptrs = wq_ptr + q_off
+        s_ptrs = ws_ptr + s_off
+        kmask = (rg >= 0)[None, :, None] & (words < K // 8)[None, None, :]
+        rot = gl.full([BR, 8, WK], 0, gl.int32, Q_LAYOUT) + ((12 - 4 * rg) & 31)[None, :, None]
+        rot_a, _ = gl.split(gl.permute(gl.reshape(rot, [BR // 2, 2, 8, WK]), (0, 2, 3, 1)))
+        rot_b = (rot_a + 16) & 31
+
+        tm = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, D_LAYOUT))
+        tn = gl.arange(0, BR, layout=gl.SliceLayout(0, D_LAYOUT))
+        d_ptrs = dy_ptr + tm[:, None] * stride_dm + n_start + tn[None, :]
+        dmask = (tm < M)[:, None] & (tn >= 0)[None, :]
+        d_smem = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [BLOCK_T, BR], D_SMEM)
+
+        acc = gl.zeros([BLOCK_K, BLOCK_T], gl.float32, layout=ACC_LAYOUT)
+        for i in range(n_steps):
+            n0 = (step0 + i) * BR
+            if EVEN:  # whole tiles: only the token rows need a mask
+                q = gl.load(q_ptrs)
+                sc = gl.load(s_ptrs)
+                dv = gl.load(d_ptrs, mask=dmask, other=0.0)
+            else:
+                rmask = ((n0 + rn) < N)[:, None, None] & kmask
+                q = gl.load(q_ptrs, mask=rmask, other=0)
+                sc = gl.load(s_ptrs, mask=rmask, other=0)
+                dv = gl.load(d_ptrs, mask=dmask & ((n0 + tn) < N)[None, :], other=0.0)
+            q_ptrs += BR * (K // 8)
+            s_ptrs += BR * (K // 16)
+            d_ptrs += BR
+            wa, wb = gl.split(gl.permute(gl.reshape(q, [BR // 2, 2, 8, WK]), (0, 2, 3, 1)))
+            sf = _scale_16bit(sc.to(gl.int32))
+            if IS_BF16:
+                sv = (sf * 2.0**127).to(gl.bfloat16)
+            else:
+                sv = (sf * 256.0).to(gl.float16)
+            sa, sb = gl.split(gl.permute(gl.reshape(sv, [BR // 2, 2, 8, WK]), (0, 2, 3, 1)))
+            if IS_BF16:
+                lo, hi = gl.inline_asm_elementwise(_SKINNY_DGRAD_BF16, "=h,=h,r,r,r,r,h,h",
+                                                   [wa, wb, rot_a, rot_b, sa, sb],
+                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+            else:
+                lo, hi = gl.inline_asm_elementwise(_SKINNY_DGRAD_F16, "=h,=h,r,r,r,r,h,h",
+                                                   [wa, wb, rot_a, rot_b, sa, sb],
+                                                   dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+            # [n', g, w, p] -> [w, g, n', p] -> A[k = 8 w + g, n = 2 n' + p]
+            v = gl.permute(gl.join(lo, hi), (2, 1, 0, 3))
+            a = gl.convert_layout(gl.reshape(v, [BLOCK_K, BR]), A_LAYOUT)
+            d_smem.store(dv)
+            acc = mma_v2(a, d_smem.permute((1, 0)).load(B_LAYOUT), acc)
+
+        if IS_BF16:
+            acc = acc * (128.0 / gl.load(gs_ptr))
+        else:
+            acc = acc * (16384.0 / gl.load(gs_ptr))
+        ok = off_k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, ACC_LAYOUT))
+        om = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ACC_LAYOUT))
+        ptrs = dx_ptr + om[None, :] * stride_xm + ok[:, None]
+        mask = (om < M)[None, :] & (ok < K)[:, None]
+        if SPLIT == 1:
+            gl.store(ptrs, acc.to(dx_ptr.dtype.element_ty), mask=mask)
+        else:
+            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+
+
 # ----------------------------------------------------------------------------------------------- host side
 #: (BLOCK_M, BLOCK_OUT, BLOCK_RED, STAGES, default-partition warps, producer warps) by M.
 #: Large M: 256-row tiles (two consumer warp groups) halve the dequantization per MMA flop against 128-row
@@ -393,6 +506,7 @@ if _IMPORT_ERROR is None:
 if _IMPORT_ERROR is None:
     _ws_launch = KernelLauncher(_ws_kernel)
     _skinny_launch = KernelLauncher(_skinny_fwd_kernel)
+    _skinny_dgrad_launch = KernelLauncher(_skinny_dgrad_kernel)
 
 _CONFIGS = {
     "small": (64, 128, 64, 4, 4, 4),  # M <= 64: one M tile, the reduction split over SPLIT programs
@@ -572,7 +686,7 @@ def _skinny_layouts(block_n: int, warps: int, g: int, block_t: int):
 
 
 def skinny_supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
-    """The skinny forward takes ``M <= 64`` bf16/fp16 rows on sm_80+ (mma.sync; no Hopper-only features)."""
+    """The skinny kernels take ``M <= 64`` bf16/fp16 rows on sm_80+ (mma.sync; no Hopper-only features)."""
     if not available() or not a.is_cuda or a.dtype not in (torch.bfloat16, torch.float16):
         return False
     if a.shape[0] > SKINNY_MAX_M or packed.data_ptr() % 4:
@@ -619,3 +733,74 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
              X_LAYOUT=x_layout, X_SMEM=x_smem),
         dict(num_warps=warps))
     return y.to(x.dtype) if split > 1 else y
+
+
+# ----------------------------------------------------------------------------- skinny input gradient (M small)
+_SKINNY_DGRAD_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _skinny_dgrad_layouts(warps: int, g: int, rk: int, block_t: int):
+    """Layouts for :func:`_skinny_dgrad_kernel`: ``BLOCK_K = 16 * warps * rk`` input columns per program (one
+    16-row MMA block per warp, ``rk`` repeats), ``16 g`` reduction rows per step."""
+    key = (warps, g, rk, block_t)
+    if key not in _SKINNY_DGRAD_LAYOUTS:
+        if any(v < 1 or v & (v - 1) for v in (warps, g, rk)):
+            raise ValueError(f"skinny NVFP4 dgrad kernel: warps={warps}, G={g}, RK={rk} must be powers of two")
+        log2 = lambda v: v.bit_length() - 1  # noqa: E731
+        block_k, br = 16 * warps * rk, 16 * g
+        q_layout = gl.DistributedLinearLayout(  # [BR rows, 8 lane groups, BLOCK_K / 8 words]
+            reg_bases=[[0, 0, 1], [1, 0, 0], [8, 0, 0]] + [[16 << i, 0, 0] for i in range(log2(g))]
+            + [[0, 0, (2 * warps) << i] for i in range(log2(rk))],
+            lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[[0, 0, 2 << i] for i in range(log2(warps))], block_bases=[], shape=[br, 8, block_k // 8])
+        acc = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+        tpr = min(32, br // 8)
+        d_layout = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [warps, 1], [1, 0])
+        d_smem = gl.NVMMASharedLayout.get_default_for([block_t, br], gl.bfloat16)
+        _SKINNY_DGRAD_LAYOUTS[key] = (q_layout, gl.DotOperandLayout(0, acc, 2), gl.DotOperandLayout(1, acc, 2), acc,
+                                      d_layout, d_smem)
+    return _SKINNY_DGRAD_LAYOUTS[key]
+
+
+def nvfp4_matmul_dgrad_skinny(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                              global_scale: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+    """``dy [M, N] @ Ŵ -> [M, K]`` for ``M <= 64`` on sm_80+, the weight going from global memory into MMA
+    fragments through registers only. ``config`` = (warps, G, RK[, BLOCK_T[, waves]]): ``16 * warps * RK`` input
+    columns per program, ``16 G`` reduction rows per step, the reduction split until about ``waves`` programs
+    per SM run."""
+    M, N = dy.shape
+    K = packed.shape[1] * 2
+    _check(dy, packed, scale, global_scale, packed.shape[0])
+    if M > SKINNY_MAX_M:
+        raise ValueError(f"skinny NVFP4 kernel takes at most {SKINNY_MAX_M} rows, got {M}")
+    warps, g, rk, *rest = config or _SKINNY_DGRAD_DEFAULT
+    block_t = rest[0] if rest and rest[0] else max(16, triton.next_power_of_2(M))
+    waves = rest[1] if len(rest) > 1 else 4
+    if block_t < M:
+        raise ValueError(f"skinny NVFP4 kernel: BLOCK_T={block_t} is smaller than M={M}")
+    q_layout, a_layout, b_layout, acc_layout, d_layout, d_smem = _skinny_dgrad_layouts(warps, g, rk, block_t)
+    dy = dy if dy.stride(1) == 1 else dy.contiguous()
+    packed = packed if packed.is_contiguous() else packed.contiguous()
+    scale = scale if scale.is_contiguous() else scale.contiguous()
+    block_k = 16 * warps * rk
+    total = triton.cdiv(N, 16 * g)
+    tiles = triton.cdiv(K, block_k)
+    split, per = _split(total, tiles, waves, dy.device)
+    dx = torch.zeros(M, K, device=dy.device, dtype=torch.float32) if split > 1 else dy.new_empty(M, K)
+    is_bf16, even = dy.dtype == torch.bfloat16, N % (16 * g) == 0 and K % block_k == 0
+    _skinny_dgrad_launch(
+        (tiles, split),
+        (dy, packed.view(torch.int32), scale.view(torch.uint8), global_scale, dx, M, N, K, dy.stride(0),
+         dx.stride(0), per),
+        ("skinny_dgrad", is_bf16, split, block_k, block_t, g, even, warps, rk),
+        dict(IS_BF16=is_bf16, SPLIT=split, BLOCK_K=block_k, BLOCK_T=block_t, G=g, EVEN=even, Q_LAYOUT=q_layout,
+             A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout, D_LAYOUT=d_layout, D_SMEM=d_smem),
+        dict(num_warps=warps))
+    return dx.to(dy.dtype) if split > 1 else dx
+
+
+#: 4 warps, 64 reduction rows per step, 128 input columns per program, 8 programs per SM: the best of 18 configs
+#: on most Qwen shapes in an H200 probe (CUDA graphs), 1.7-2.4x cuBLAS at 16 rows. Reading Ŵ down its columns
+#: costs: a program reads 64 bytes of each row per step, and the transposed fragment needs ~10 instructions per
+#: weight (the forward's contiguous reads and fragments need about half).
+_SKINNY_DGRAD_DEFAULT = (4, 4, 2, 0, 8)

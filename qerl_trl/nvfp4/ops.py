@@ -123,13 +123,13 @@ _PATHS: dict[tuple, str] = {}
 
 def _candidates(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> list[str]:
     """Paths that can run this call, in order of preference when they cannot be timed (CUDA-graph capture):
-    ``skinny`` (Gluon, forward with few rows), ``ws`` (Hopper Gluon kernels), ``fused`` (Triton kernels),
+    ``skinny`` (Gluon, few rows), ``ws`` (Hopper Gluon kernels), ``fused`` (Triton kernels),
     ``dequant_mm`` (Triton dequantize + cuBLAS)."""
     from . import gluon_kernels as gk
 
     m = a.shape[0]
     out = []
-    if kind == "fwd" and gk.skinny_supported(a, packed):
+    if gk.skinny_supported(a, packed):
         out.append("skinny")
     if gk.supported(a, packed, scale):
         out.append("ws")
@@ -142,7 +142,7 @@ def _candidates(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.T
 
 def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 global_scale: torch.Tensor) -> str:
-    """``"skinny"`` (Gluon forward for <= 64 rows), ``"ws"`` (warp-specialized Gluon kernels, sm_90), ``"fused"``
+    """``"skinny"`` (Gluon kernels for <= 64 rows), ``"ws"`` (warp-specialized Gluon kernels, sm_90), ``"fused"``
     (Triton kernels) or ``"dequant_mm"`` (Triton dequantize + cuBLAS) for this call. The first call per (pass,
     M bucket, weight shape, dtype) times the candidates and keeps the fastest. ``QERL_NVFP4_FUSED_MAX_M=<rows>`` replaces the timing with a fixed
     rule (Triton fused kernels up to that many rows, dequantize + cuBLAS above; reproducible numerics) and
@@ -198,6 +198,7 @@ def _path_fn(kind: str, path: str) -> MatmulFn:
             ("fwd", "dequant_mm"): lambda a, p, s, g: dequant_matmul("fwd", a, p, s, g),
             ("dgrad", "dequant_mm"): lambda a, p, s, g: dequant_matmul("dgrad", a, p, s, g),
             ("fwd", "skinny"): gk.nvfp4_matmul_fwd_skinny,
+            ("dgrad", "skinny"): gk.nvfp4_matmul_dgrad_skinny,
             ("fwd", "ws"): gk.nvfp4_matmul_fwd_ws,
             ("dgrad", "ws"): gk.nvfp4_matmul_dgrad_ws,
             ("fwd", "fused"): tk.nvfp4_matmul_fwd,
