@@ -313,6 +313,24 @@ if _IMPORT_ERROR is None:
     _SKINNY_DGRAD_F16 = gl.constexpr(_skinny_dgrad_asm(False))
 
     @gluon.jit
+    def _store_transposed(acc, gs_ptr, out_ptr, off, M, n_cols, stride_om, IS_BF16: gl.constexpr, SPLIT: gl.constexpr,
+                          BLOCK: gl.constexpr, BLOCK_T: gl.constexpr, ACC_LAYOUT: gl.constexpr):
+        """Epilogue of the skinny kernels: ``acc [BLOCK output columns, BLOCK_T tokens]`` times ``2**7`` (bf16) or
+        ``2**14`` (fp16) ``/ global`` into ``out [M, n_cols]`` (stored, or added atomically when split)."""
+        if IS_BF16:
+            acc = acc * (128.0 / gl.load(gs_ptr))
+        else:
+            acc = acc * (16384.0 / gl.load(gs_ptr))
+        oc = off + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, ACC_LAYOUT))
+        om = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ACC_LAYOUT))
+        ptrs = out_ptr + om[None, :] * stride_om + oc[:, None]
+        mask = (om < M)[None, :] & (oc < n_cols)[:, None]
+        if SPLIT == 1:
+            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+
+    @gluon.jit
     def _skinny_fwd_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym, steps_per_split,
                            IS_BF16: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
                            BLOCK_T: gl.constexpr, G: gl.constexpr, EVEN: gl.constexpr, P_LAYOUT: gl.constexpr,
@@ -394,18 +412,7 @@ if _IMPORT_ERROR is None:
             x_smem.store(xv)
             acc = mma_v2(a, x_smem.permute((1, 0)).load(B_LAYOUT), acc)
 
-        if IS_BF16:
-            acc = acc * (128.0 / gl.load(gs_ptr))
-        else:
-            acc = acc * (16384.0 / gl.load(gs_ptr))
-        on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC_LAYOUT))
-        om = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ACC_LAYOUT))
-        ptrs = y_ptr + om[None, :] * stride_ym + on[:, None]
-        mask = (om < M)[None, :] & (on < N)[:, None]
-        if SPLIT == 1:
-            gl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        _store_transposed(acc, gs_ptr, y_ptr, off_n, M, N, stride_ym, IS_BF16, SPLIT, BLOCK_N, BLOCK_T, ACC_LAYOUT)
 
 
     @gluon.jit
@@ -483,18 +490,7 @@ if _IMPORT_ERROR is None:
             d_smem.store(dv)
             acc = mma_v2(a, d_smem.permute((1, 0)).load(B_LAYOUT), acc)
 
-        if IS_BF16:
-            acc = acc * (128.0 / gl.load(gs_ptr))
-        else:
-            acc = acc * (16384.0 / gl.load(gs_ptr))
-        ok = off_k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, ACC_LAYOUT))
-        om = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ACC_LAYOUT))
-        ptrs = dx_ptr + om[None, :] * stride_xm + ok[:, None]
-        mask = (om < M)[None, :] & (ok < K)[:, None]
-        if SPLIT == 1:
-            gl.store(ptrs, acc.to(dx_ptr.dtype.element_ty), mask=mask)
-        else:
-            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        _store_transposed(acc, gs_ptr, dx_ptr, off_k, M, K, stride_xm, IS_BF16, SPLIT, BLOCK_K, BLOCK_T, ACC_LAYOUT)
 
 
 # ----------------------------------------------------------------------------------------------- host side
