@@ -1,9 +1,9 @@
 """Launch a compiled Triton kernel again without re-binding its arguments (written against Triton 3.6).
 
 ``kernel[grid](*args, **constexprs)`` binds and specializes every argument, hashes every constexpr (Gluon layouts
-included), looks the compiled kernel up and checks the globals it used, on every call. On the GPU machine's host
-that is 15-70 µs of Python per launch (``benchmarks`` probe, H200 host), more than a decode-sized matmul takes
-on the GPU and as much as a small training matmul. :class:`KernelLauncher` goes through Triton's own path once per
+included), looks the compiled kernel up and checks the globals it used, on every call: tens of µs of Python on
+the GPU machine's host, which is more than a decode-sized matmul takes on the GPU (host costs per call:
+``benchmarks/launch_overhead.py``). :class:`KernelLauncher` goes through Triton's own path once per
 specialization and afterwards calls the compiled kernel's launcher directly (``CompiledKernel[grid](*args)``),
 which costs about as much as one PyTorch op.
 

@@ -796,7 +796,8 @@ def nvfp4_matmul_dgrad_skinny(dy: torch.Tensor, packed: torch.Tensor, scale: tor
 
 
 #: 4 warps, 64 reduction rows per step, 128 input columns per program, 8 programs per SM: the best of 18 configs
-#: on most Qwen shapes in an H200 probe (CUDA graphs), 1.7-2.4x cuBLAS at 16 rows. Reading Ŵ down its columns
+#: on most Qwen shapes in an uncommitted H200 probe (CUDA graphs, 1.7-2.4x cuBLAS at 16 rows; the committed
+#: eager column is ``skinny_ms`` in benchmarks/results/train_matmul-h200.json). Reading Ŵ down its columns
 #: costs: a program reads 64 bytes of each row per step, and the transposed fragment needs ~10 instructions per
 #: weight (the forward's contiguous reads and fragments need about half).
 _SKINNY_DGRAD_DEFAULT = (4, 4, 2, 0, 8)

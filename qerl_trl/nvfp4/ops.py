@@ -34,7 +34,7 @@ class Backend:
 _BACKENDS: list[Backend] = []
 #: (pass, rows, weight shape, dtypes, devices, 16-byte alignments, env switches) -> the entry point to call.
 #: Everything a backend's ``supports`` and path choice look at is in the key, so each matmul costs one dict lookup
-#: instead of re-deciding (the decision chain costs tens of µs of Python, as much as a small matmul).
+#: instead of re-running every ``supports`` check and the path choice on each call.
 _PLANS: dict[tuple, MatmulFn] = {}
 _ENV_SWITCHES = ("QERL_NVFP4_BACKEND", "QERL_NVFP4_FUSED_MAX_M", "QERL_NVFP4_NO_DENSE_WEIGHT", "QERL_NVFP4_GLUON")
 

@@ -467,9 +467,9 @@ _dgrad_small = _tuned(_dgrad_kernel, _small_dgrad_configs(), "EVEN_N", _even_n, 
 _INTERP_CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 #: One fixed config for the dequantize pass. It is memory-bound, and what limits it is bytes in flight per SM:
 #: 1024 columns per row (four words, one 16-byte load per thread) and 8 rows per program beat the earlier
-#: autotuned 256-column configs by 6-12% on every Qwen shape probed on an H200 (2.5-3.6 TB/s), and sit first or
-#: within 4% of the first among 14 configs. Fixed rather than autotuned so the launch skips the autotuner, whose
-#: Python costs more than the 7B o-proj kernel takes.
+#: default 256-column config by 8-13% on six Qwen shapes on an H200 (2.4-3.5 TB/s) and rank first among 8 configs
+#: on five of them, within 3% on the sixth (benchmarks/results/launch_overhead-h200.json, part "dequant"). Fixed
+#: rather than autotuned so the launch skips the autotuner's per-call Python.
 _DEQUANT_CFG = dict(BLOCK_R=8, BLOCK_C=1024, ROW_STEPS=1)
 _DEQUANT_WARPS = 4
 _dequant_launch = KernelLauncher(_dequant_kernel)
