@@ -11,8 +11,9 @@ nvfp4_ms}``: ``naive`` is QeRL's PyTorch unpack + cuBLAS, ``nvfp4`` what ``NVFP4
 gives the fused kernel's error against the fp32 reference and its tuned config. On Hopper it also times the
 warp-specialized Gluon kernels (``ws_ms``, never write Ŵ either) with their per-M default config, and up to 64
 rows the skinny Gluon kernels (``skinny_ms``, forward and input gradient). Up to 64 rows it also replays BF16
-and the dispatched path from CUDA graphs (``bf16_graph_ms``, ``nvfp4_graph_ms``): the rollout engine runs
-decode-sized matmuls that way, and eager timing of a ~10 µs matmul mostly measures Python launch cost.
+and the dispatched path from CUDA graphs (``bf16_graph_ms``, ``nvfp4_graph_ms``; one graph calls every weight
+copy in turn, so weights come from HBM, not L2): the rollout engine runs decode-sized matmuls that way, and eager
+timing of a ~10 µs matmul mostly measures Python launch cost. A few seconds of warm-up precede the first layer.
 """
 
 from __future__ import annotations
@@ -62,12 +63,33 @@ def bench(fns, warmup=25, rep=100):
 GRAPH_MAX_M = 64
 
 
-def graph_ms(fn) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph (no Python launch cost); ``fn`` must be warmed up."""
+def graph_ms(fns) -> float:
+    """Median ms per call of ``fns`` (one per weight copy) replayed from one CUDA graph: no Python launch cost,
+    and the copies together exceed L2, so every call reads its weight from HBM as a decode step does (Triton's
+    ``do_bench_cudagraph`` does not flush L2; replaying one small weight would time L2 reads)."""
     import triton
 
-    fn()
-    return round(triton.testing.do_bench_cudagraph(fn, rep=50), 5)
+    def calls():
+        for f in fns:
+            f()
+
+    calls()
+    return round(triton.testing.do_bench_cudagraph(calls, rep=50, return_mode="median") / len(fns), 5)
+
+
+def warm_up(seconds: float = 3.0) -> None:
+    """Bring the GPU to its steady clocks and initialise cuBLAS and our kernels before the first timed layer
+    (on a fresh machine the first layer otherwise read slow in every column)."""
+    import time
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    q = F.quantize(a[:1024])
+    end = time.time() + seconds
+    while time.time() < end:
+        for _ in range(20):
+            a @ a
+            ops.nvfp4_linear_forward(a[:64], *q)
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -78,13 +100,14 @@ def main() -> None:
     args = ap.parse_args()
     dev = "cuda"
     torch.manual_seed(0)
+    warm_up()
     rows = []
     for layer in args.layers:
         n, k = SHAPES[layer]
         w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
         q = F.quantize(w)
         fp4_bytes = F.nbytes(q)
-        copies = max(2, min(8, math.ceil(200e6 / fp4_bytes)))  # > L2 of rotated fp4 weights
+        copies = max(2, min(32, math.ceil(200e6 / fp4_bytes)))  # rotated fp4 weights: 4x L2
         qs = [tuple(t.clone() for t in q) for _ in range(copies)]
         ws = [w.clone() for _ in range(copies)]
         w_ref = F.dequantize(*q, dtype=torch.float32)
@@ -122,9 +145,10 @@ def main() -> None:
                     t_skinny = bench([lambda Q=Q: sk_fn(a, *Q) for Q in qs])
                 graph = {}
                 if m <= GRAPH_MAX_M:  # decode-sized: also time inside CUDA graphs, as vLLM runs them
-                    w0 = ws[0]
-                    graph["bf16_graph_ms"] = graph_ms(lambda: a @ (w0.t() if pas == "fwd" else w0))
-                    graph["nvfp4_graph_ms"] = graph_ms(lambda: dispatched(a, *q))
+                    graph["bf16_graph_ms"] = graph_ms([lambda W=W: a @ (W.t() if pas == "fwd" else W) for W in ws])
+                    graph["nvfp4_graph_ms"] = graph_ms([lambda Q=Q: dispatched(a, *Q) for Q in qs])
+                    if t_skinny is not None:
+                        graph["skinny_graph_ms"] = graph_ms([lambda Q=Q: sk_fn(a, *Q) for Q in qs])
                     graph["nvfp4_graph_vs_bf16"] = round(graph["nvfp4_graph_ms"] / graph["bf16_graph_ms"], 3)
                 kern = (tk._fwd_small if m <= 64 else tk._fwd_large) if pas == "fwd" else (
                     tk._dgrad_small if m <= 64 else tk._dgrad_large)

@@ -205,12 +205,53 @@ def test_gpu_skinny_fwd_matches_fp32(dtype, n, k, m):
     assert _rel(y, x.float() @ F.dequantize(*q, dtype=torch.float32).t()) < TOL[dtype]
 
 
+# (BLOCK_N, warps, G, BLOCK_T, waves, prefetch, wgmma): mma.sync and wgmma, 0-2 steps of prefetch, 1-2 warp groups
+SKINNY_FWD_CONFIGS = [(64, 4, 8, 0, 8, 0, 0), (64, 4, 4, 0, 8, 1, 0), (128, 8, 4, 0, 4, 2, 0), (128, 4, 4, 0, 4, 1, 1),
+                      (128, 8, 8, 0, 4, 2, 1)]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(1000, 3584), (3584, 1040), (264, 320)])
+@pytest.mark.parametrize("m", [1, 16, 33, 64])
+@pytest.mark.parametrize("config", SKINNY_FWD_CONFIGS)
+def test_gpu_skinny_fwd_configs_match_fp32(dtype, n, k, m, config):
+    """Every MMA flavour and prefetch depth, on ragged shapes (masked loads, split-K tails)."""
+    gk = _gk()
+    q = _weight(n, k, device="cuda", seed=n + k + m)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    y = gk.nvfp4_matmul_fwd_skinny(x, *q, config=config)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert _rel(y, x.float() @ F.dequantize(*q, dtype=torch.float32).t()) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_skinny_rejects_bad_configs():
+    gk = _gk()
+    q = _weight(512, 256, device="cuda")
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="PREFETCH"):
+        gk.nvfp4_matmul_fwd_skinny(x, *q, config=(64, 4, 4, 0, 8, 3, 0))
+    with pytest.raises(ValueError, match="WGMMA"):
+        gk.nvfp4_matmul_fwd_skinny(x, *q, config=(64, 4, 4, 0, 8, 0, 2))
+    with pytest.raises(ValueError, match="warp groups"):
+        gk.nvfp4_matmul_fwd_skinny(x, *q, config=(64, 2, 4, 0, 8, 0, 1))
+    with pytest.raises(ValueError, match="PREFETCH"):
+        gk.nvfp4_matmul_dgrad_skinny(dy, *q, config=(4, 2, 1, 0, 8, 3, 0))
+    with pytest.raises(ValueError, match="warp groups"):
+        gk.nvfp4_matmul_dgrad_skinny(dy, *q, config=(2, 2, 1, 0, 8, 0, 1))
+
+
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(3584, 3584), (1000, 3584), (3584, 1040), (96, 160)])
 @pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
-@pytest.mark.parametrize("config", [None, (4, 1, 4), (8, 2, 2, 0, 2)])
+@pytest.mark.parametrize("config", [None, (4, 1, 4), (8, 2, 2, 0, 2), (4, 2, 1, 0, 8, 2, 0), (4, 4, 2, 0, 8, 0, 1),
+                                    (8, 2, 1, 0, 4, 1, 1)])
 def test_gpu_skinny_dgrad_matches_fp32(dtype, n, k, m, config):
     gk = _gk()
     q = _weight(n, k, device="cuda", seed=n + k + m)
@@ -255,6 +296,16 @@ def test_gpu_skinny_cuda_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert _rel(y, want) < 1e-6  # split-K atomics may sum in another order
+    dy = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
+    gk.nvfp4_matmul_dgrad_skinny(dy, *q)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        dx = gk.nvfp4_matmul_dgrad_skinny(dy, *q)
+    dy.copy_(torch.randn_like(dy))
+    want = gk.nvfp4_matmul_dgrad_skinny(dy, *q)
+    g.replay()
+    torch.cuda.synchronize()
+    assert _rel(dx, want) < 1e-6
 
 
 @pytest.mark.gpu

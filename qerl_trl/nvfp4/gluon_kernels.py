@@ -18,8 +18,9 @@ Each weight element is dequantized once per ``BLOCK_M`` rows of activations, so 
 fixed while the tensor cores stay busy.
 
 For forwards of at most 64 rows (decode shapes) :func:`nvfp4_matmul_fwd_skinny` swaps the roles instead:
-``yᵀ = Ŵ xᵀ`` with the weight as mma.sync's A operand, each lane dequantizing exactly the bytes its A fragment
-holds, so the weight goes from global memory to the tensor cores through registers only (sm_80+);
+``yᵀ = Ŵ xᵀ`` with the weight as the MMA's A operand (wgmma on Hopper, mma.sync elsewhere: both take A from
+registers with the same per-warp fragment), each lane dequantizing exactly the bytes its A fragment holds, so
+the weight goes from global memory to the tensor cores through registers only (sm_80+);
 :func:`nvfp4_matmul_dgrad_skinny` does the same for ``dxᵀ = Ŵᵀ dyᵀ``, each lane picking one code out of each
 word it loads, since a fragment register of ``Ŵᵀ`` pairs two rows of Ŵ. No host syncs (the global scale is read through a pointer) and no
 per-call allocation beyond the output, so the kernels are CUDA-graph safe. Small M splits the reduction over
@@ -331,11 +332,29 @@ if _IMPORT_ERROR is None:
             gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
 
     @gluon.jit
+    def _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, j, k_start, K, q_rmask, s_rmask, xmask, wd, gs, tk,
+                          BK: gl.constexpr, EVEN: gl.constexpr):
+        """Step ``j`` (of this program's split) of the skinny forward: packed words, scale bytes, activations.
+        The pointers are those of step 0; ``EVEN`` tiles need only the token-row mask, so the loads vectorize."""
+        if EVEN:
+            q = gl.load(q_ptrs + j * (BK // 8))
+            sc = gl.load(s_ptrs + j * (BK // 16))
+            xv = gl.load(x_ptrs + j * BK, mask=xmask, other=0.0)
+        else:
+            k0 = k_start + j * BK
+            q = gl.load(q_ptrs + j * (BK // 8), mask=q_rmask & ((k0 // 8 + wd) < K // 8)[None, None, :], other=0)
+            sc = gl.load(s_ptrs + j * (BK // 16), mask=s_rmask & ((k0 // 16 + gs) < K // 16)[None, None, :],
+                         other=0)
+            xv = gl.load(x_ptrs + j * BK, mask=xmask & ((k0 + tk) < K)[None, :], other=0.0)
+        return q, sc, xv
+
+    @gluon.jit
     def _skinny_fwd_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym, steps_per_split,
                            IS_BF16: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
                            BLOCK_T: gl.constexpr, G: gl.constexpr, EVEN: gl.constexpr, P_LAYOUT: gl.constexpr,
                            S_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr,
-                           ACC_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, X_SMEM: gl.constexpr):
+                           ACC_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, X_SMEM: gl.constexpr,
+                           PREFETCH: gl.constexpr, WGMMA: gl.constexpr):
         """``y [M, N] = x @ Ŵᵀ`` for a few rows (M <= BLOCK_T): ``yᵀ = Ŵ @ xᵀ`` with the weight as the MMA's A
         operand, dequantized straight into mma.sync A fragments in registers (no shared memory at all).
 
@@ -381,19 +400,27 @@ if _IMPORT_ERROR is None:
         x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_T, BK], X_SMEM)
 
         acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=ACC_LAYOUT)
+        # PREFETCH steps' loads are in flight while a step computes: one program's step is only a few KiB, so
+        # without them the loop waits a full memory latency per step
+        if PREFETCH >= 1:
+            q1, sc1, xv1 = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, 0, k_start, K, q_rmask, s_rmask, xmask, wd,
+                                             gs, tk, BK, EVEN)
+        if PREFETCH >= 2:
+            q2, sc2, xv2 = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, gl.minimum(1, n_steps - 1), k_start, K,
+                                             q_rmask, s_rmask, xmask, wd, gs, tk, BK, EVEN)
         for i in range(n_steps):
-            if EVEN:  # whole tiles: only the token rows need a mask, so the loads vectorize
-                q = gl.load(q_ptrs)
-                sc = gl.load(s_ptrs)
-                xv = gl.load(x_ptrs, mask=xmask, other=0.0)
+            if PREFETCH == 0:
+                q, sc, xv = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, i, k_start, K, q_rmask, s_rmask, xmask, wd,
+                                              gs, tk, BK, EVEN)
+            elif PREFETCH == 1:  # past the last step the same step loads again (an L1 hit, no mask needed)
+                q, sc, xv = q1, sc1, xv1
+                q1, sc1, xv1 = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, gl.minimum(i + 1, n_steps - 1), k_start,
+                                                 K, q_rmask, s_rmask, xmask, wd, gs, tk, BK, EVEN)
             else:
-                k0 = (step0 + i) * BK
-                q = gl.load(q_ptrs, mask=q_rmask & ((k0 // 8 + wd) < K // 8)[None, None, :], other=0)
-                sc = gl.load(s_ptrs, mask=s_rmask & ((k0 // 16 + gs) < K // 16)[None, None, :], other=0)
-                xv = gl.load(x_ptrs, mask=xmask & ((k0 + tk) < K)[None, :], other=0.0)
-            q_ptrs += BK // 8
-            s_ptrs += BK // 16
-            x_ptrs += BK
+                q, sc, xv = q1, sc1, xv1
+                q1, sc1, xv1 = q2, sc2, xv2
+                q2, sc2, xv2 = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, gl.minimum(i + 2, n_steps - 1), k_start,
+                                                 K, q_rmask, s_rmask, xmask, wd, gs, tk, BK, EVEN)
             w0, w1 = gl.split(gl.reshape(q, [BLOCK_N, 4, G, 2]))
             w0 = gl.convert_layout(w0, S_LAYOUT)
             w1 = gl.convert_layout(w1, S_LAYOUT)
@@ -410,17 +437,41 @@ if _IMPORT_ERROR is None:
             t = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))
             a = gl.convert_layout(gl.reshape(gl.permute(t, (0, 2, 4, 1, 3)), [BLOCK_N, BK]), A_LAYOUT)
             x_smem.store(xv)
-            acc = mma_v2(a, x_smem.permute((1, 0)).load(B_LAYOUT), acc)
+            if WGMMA:
+                # synchronous: an asynchronous wgmma reads its register A operand after issue, and the compiler
+                # reuses those registers for the next step's dequantization (an H200 probe read NaNs)
+                fence_async_shared()
+                acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+            else:
+                acc = mma_v2(a, x_smem.permute((1, 0)).load(B_LAYOUT), acc)
 
         _store_transposed(acc, gs_ptr, y_ptr, off_n, M, N, stride_ym, IS_BF16, SPLIT, BLOCK_N, BLOCK_T, ACC_LAYOUT)
 
+
+    @gluon.jit
+    def _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, j, n_start, N, rn, tn, kmask, dmask, K, BR: gl.constexpr,
+                            EVEN: gl.constexpr):
+        """Step ``j`` of the skinny input gradient: ``BR`` rows of packed words and scales, the matching ``dy``
+        columns. The pointers are those of step 0."""
+        if EVEN:
+            q = gl.load(q_ptrs + j * (BR * (K // 8)))
+            sc = gl.load(s_ptrs + j * (BR * (K // 16)))
+            dv = gl.load(d_ptrs + j * BR, mask=dmask, other=0.0)
+        else:
+            n0 = n_start + j * BR
+            rmask = ((n0 + rn) < N)[:, None, None] & kmask
+            q = gl.load(q_ptrs + j * (BR * (K // 8)), mask=rmask, other=0)
+            sc = gl.load(s_ptrs + j * (BR * (K // 16)), mask=rmask, other=0)
+            dv = gl.load(d_ptrs + j * BR, mask=dmask & ((n0 + tn) < N)[None, :], other=0.0)
+        return q, sc, dv
 
     @gluon.jit
     def _skinny_dgrad_kernel(dy_ptr, wq_ptr, ws_ptr, gs_ptr, dx_ptr, M, N, K, stride_dm, stride_xm, steps_per_split,
                              IS_BF16: gl.constexpr, SPLIT: gl.constexpr, BLOCK_K: gl.constexpr,
                              BLOCK_T: gl.constexpr, G: gl.constexpr, EVEN: gl.constexpr, Q_LAYOUT: gl.constexpr,
                              A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr,
-                             D_LAYOUT: gl.constexpr, D_SMEM: gl.constexpr):
+                             D_LAYOUT: gl.constexpr, D_SMEM: gl.constexpr, PREFETCH: gl.constexpr,
+                             WGMMA: gl.constexpr):
         """``dx [M, K] = dy @ Ŵ`` for a few rows: ``dxᵀ = Ŵᵀ dyᵀ`` with ``Ŵᵀ`` as the MMA's A operand, built in
         registers. An A fragment register holds two *rows* ``n, n + 1`` of Ŵ at one input column, and the codes
         of a row run along the columns, so here every lane of an 8-lane group loads the same two words (16
@@ -455,20 +506,25 @@ if _IMPORT_ERROR is None:
         d_smem = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [BLOCK_T, BR], D_SMEM)
 
         acc = gl.zeros([BLOCK_K, BLOCK_T], gl.float32, layout=ACC_LAYOUT)
+        if PREFETCH >= 1:  # as in the forward: later steps' loads fly while this one computes
+            q1, sc1, dv1 = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, 0, n_start, N, rn, tn, kmask, dmask, K, BR,
+                                               EVEN)
+        if PREFETCH >= 2:
+            q2, sc2, dv2 = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, gl.minimum(1, n_steps - 1), n_start, N, rn,
+                                               tn, kmask, dmask, K, BR, EVEN)
         for i in range(n_steps):
-            n0 = (step0 + i) * BR
-            if EVEN:  # whole tiles: only the token rows need a mask
-                q = gl.load(q_ptrs)
-                sc = gl.load(s_ptrs)
-                dv = gl.load(d_ptrs, mask=dmask, other=0.0)
+            if PREFETCH == 0:
+                q, sc, dv = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, i, n_start, N, rn, tn, kmask, dmask, K, BR,
+                                                EVEN)
+            elif PREFETCH == 1:
+                q, sc, dv = q1, sc1, dv1
+                q1, sc1, dv1 = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, gl.minimum(i + 1, n_steps - 1), n_start,
+                                                   N, rn, tn, kmask, dmask, K, BR, EVEN)
             else:
-                rmask = ((n0 + rn) < N)[:, None, None] & kmask
-                q = gl.load(q_ptrs, mask=rmask, other=0)
-                sc = gl.load(s_ptrs, mask=rmask, other=0)
-                dv = gl.load(d_ptrs, mask=dmask & ((n0 + tn) < N)[None, :], other=0.0)
-            q_ptrs += BR * (K // 8)
-            s_ptrs += BR * (K // 16)
-            d_ptrs += BR
+                q, sc, dv = q1, sc1, dv1
+                q1, sc1, dv1 = q2, sc2, dv2
+                q2, sc2, dv2 = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, gl.minimum(i + 2, n_steps - 1), n_start,
+                                                   N, rn, tn, kmask, dmask, K, BR, EVEN)
             wa, wb = gl.split(gl.permute(gl.reshape(q, [BR // 2, 2, 8, WK]), (0, 2, 3, 1)))
             sf = _scale_16bit(sc.to(gl.int32))
             if IS_BF16:
@@ -488,7 +544,11 @@ if _IMPORT_ERROR is None:
             v = gl.permute(gl.join(lo, hi), (2, 1, 0, 3))
             a = gl.convert_layout(gl.reshape(v, [BLOCK_K, BR]), A_LAYOUT)
             d_smem.store(dv)
-            acc = mma_v2(a, d_smem.permute((1, 0)).load(B_LAYOUT), acc)
+            if WGMMA:  # synchronous, as in the forward
+                fence_async_shared()
+                acc = warpgroup_mma(a, d_smem.permute((1, 0)), acc)
+            else:
+                acc = mma_v2(a, d_smem.permute((1, 0)).load(B_LAYOUT), acc)
 
         _store_transposed(acc, gs_ptr, dx_ptr, off_k, M, K, stride_xm, IS_BF16, SPLIT, BLOCK_K, BLOCK_T, ACC_LAYOUT)
 
@@ -656,8 +716,11 @@ SKINNY_MAX_M = 64
 _SKINNY_LAYOUTS: dict[tuple, tuple] = {}
 
 
-def _skinny_layouts(block_n: int, warps: int, g: int, block_t: int):
-    key = (block_n, warps, g, block_t)
+def _skinny_layouts(block_n: int, warps: int, g: int, block_t: int, wgmma: int = 0):
+    """Layouts for :func:`_skinny_fwd_kernel`. With ``wgmma`` the accumulator is Hopper's (``[16, BLOCK_T, 16]``
+    instructions, warps stacked along the weight rows): its A operand holds each warp's 16 rows exactly like
+    mma.sync's, so the dequantized fragments need no data movement either way."""
+    key = (block_n, warps, g, block_t, wgmma)
     if key not in _SKINNY_LAYOUTS:
         rw = block_n // (16 * warps)
         if rw < 1 or rw & (rw - 1) or g & (g - 1):
@@ -672,7 +735,12 @@ def _skinny_layouts(block_n: int, warps: int, g: int, block_t: int):
         s_layout = gl.DistributedLinearLayout(  # [BLOCK_N, 4, G] groups
             reg_bases=[[0, 0, 1 << i] for i in range(log2(g))] + rows_hi, lane_bases=lanes,
             warp_bases=warp_bases, block_bases=[], shape=[block_n, 4, g])
-        acc = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+        if wgmma:
+            if warps % 4 or block_n % (16 * warps):
+                raise ValueError(f"skinny NVFP4 wgmma kernel: warps={warps} must be warp groups of 4")
+            acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_t, 16])
+        else:
+            acc = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
         tpr = min(32, 16 * g // 8)  # threads per activation row: 8 values (16 bytes) each
         x_layout = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [warps, 1], [1, 0])
         x_smem = gl.NVMMASharedLayout.get_default_for([block_t, 16 * g], gl.bfloat16)  # fp16: same 16-bit layout
@@ -682,7 +750,7 @@ def _skinny_layouts(block_n: int, warps: int, g: int, block_t: int):
 
 
 def skinny_supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
-    """The skinny kernels take ``M <= 64`` bf16/fp16 rows on sm_80+ (mma.sync; no Hopper-only features)."""
+    """The skinny kernels take ``M <= 64`` bf16/fp16 rows on sm_80+ (mma.sync; wgmma on sm_90)."""
     if not available() or not a.is_cuda or a.dtype not in (torch.bfloat16, torch.float16):
         return False
     if a.shape[0] > SKINNY_MAX_M or packed.data_ptr() % 4:
@@ -693,24 +761,27 @@ def skinny_supported(a: torch.Tensor, packed: torch.Tensor) -> bool:
 def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                             global_scale: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
     """``x [M, K] @ Ŵᵀ`` for ``M <= 64`` on sm_80+: weight-read bound, so the weight goes straight from global
-    memory into MMA fragments. ``config`` = (BLOCK_N, warps, G[, BLOCK_T[, waves]]); BLOCK_T (16, 32 or 64) pads
-    the token count for the MMA (0 or absent: the smallest that holds M); the reduction is split until about
-    ``waves`` (default 4) programs per SM run."""
+    memory into MMA fragments. ``config`` = (BLOCK_N, warps, G[, BLOCK_T[, waves[, prefetch]]]); BLOCK_T (16, 32
+    or 64) pads the token count for the MMA (0 or absent: the smallest that holds M); the reduction is split until
+    about ``waves`` (default 4) programs per SM run; ``prefetch`` steps of loads (0-2) fly ahead of the MMAs."""
     M, K = x.shape
     N = packed.shape[0]
     _check(x, packed, scale, global_scale, packed.shape[1] * 2)
     if M > SKINNY_MAX_M:
         raise ValueError(f"skinny NVFP4 kernel takes at most {SKINNY_MAX_M} rows, got {M}")
-    # 64 inputs per step. Up to 32 rows: 64 weight rows per program, the K split aiming at 8 programs per SM;
-    # above: 128 weight rows, 8 warps, 4 programs per SM (H200 probes over tile sizes and split targets,
-    # CUDA-graph timed: 0.72-1.39x cuBLAS at 16 rows, 1.2-2.5x at 64)
-    block_n, warps, g, *rest = config or ((64, 4, 4, 0, 8) if M <= 32 else (128, 8, 4, 0, 4))
+    block_n, warps, g, *rest = config or _skinny_fwd_default(M, x.device)
     block_t = rest[0] if rest and rest[0] else max(16, triton.next_power_of_2(M))
     waves = rest[1] if len(rest) > 1 else 4  # programs per SM the K split aims for
+    prefetch = rest[2] if len(rest) > 2 else 0
+    wgmma = rest[3] if len(rest) > 3 else 0
     if block_t < M:
         raise ValueError(f"skinny NVFP4 kernel: BLOCK_T={block_t} is smaller than M={M}")
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"skinny NVFP4 kernel: PREFETCH={prefetch} must be 0, 1 or 2 steps")
+    if wgmma not in (0, 1) or (wgmma and _capability(x.device)[0] != 9):
+        raise ValueError(f"skinny NVFP4 kernel: WGMMA={wgmma} must be 0 (mma.sync) or 1 (wgmma, sm_90 only)")
     p_layout, s_layout, a_layout, b_layout, acc_layout, x_layout, x_smem = _skinny_layouts(block_n, warps, g,
-                                                                                           block_t)
+                                                                                           block_t, wgmma)
     x = x if x.stride(1) == 1 else x.contiguous()
     packed = packed if packed.is_contiguous() else packed.contiguous()
     scale = scale if scale.is_contiguous() else scale.contiguous()
@@ -723,10 +794,10 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
         (tiles, split),
         (x, packed.view(torch.int32), scale.view(torch.uint8), global_scale, y, M, N, K, x.stride(0), y.stride(0),
          per),
-        ("skinny", is_bf16, split, block_n, block_t, g, even, warps),
+        ("skinny", is_bf16, split, block_n, block_t, g, even, warps, prefetch, wgmma),
         dict(IS_BF16=is_bf16, SPLIT=split, BLOCK_N=block_n, BLOCK_T=block_t, G=g, EVEN=even,
              P_LAYOUT=p_layout, S_LAYOUT=s_layout, A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout,
-             X_LAYOUT=x_layout, X_SMEM=x_smem),
+             X_LAYOUT=x_layout, X_SMEM=x_smem, PREFETCH=prefetch, WGMMA=wgmma),
         dict(num_warps=warps))
     return y.to(x.dtype) if split > 1 else y
 
@@ -735,10 +806,10 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
 _SKINNY_DGRAD_LAYOUTS: dict[tuple, tuple] = {}
 
 
-def _skinny_dgrad_layouts(warps: int, g: int, rk: int, block_t: int):
+def _skinny_dgrad_layouts(warps: int, g: int, rk: int, block_t: int, wgmma: int = 0):
     """Layouts for :func:`_skinny_dgrad_kernel`: ``BLOCK_K = 16 * warps * rk`` input columns per program (one
     16-row MMA block per warp, ``rk`` repeats), ``16 g`` reduction rows per step."""
-    key = (warps, g, rk, block_t)
+    key = (warps, g, rk, block_t, wgmma)
     if key not in _SKINNY_DGRAD_LAYOUTS:
         if any(v < 1 or v & (v - 1) for v in (warps, g, rk)):
             raise ValueError(f"skinny NVFP4 dgrad kernel: warps={warps}, G={g}, RK={rk} must be powers of two")
@@ -749,7 +820,12 @@ def _skinny_dgrad_layouts(warps: int, g: int, rk: int, block_t: int):
             + [[0, 0, (2 * warps) << i] for i in range(log2(rk))],
             lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
             warp_bases=[[0, 0, 2 << i] for i in range(log2(warps))], block_bases=[], shape=[br, 8, block_k // 8])
-        acc = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+        if wgmma:  # same per-warp A fragments, warps stacked along the input columns (see _skinny_layouts)
+            if warps % 4:
+                raise ValueError(f"skinny NVFP4 dgrad wgmma kernel: warps={warps} must be warp groups of 4")
+            acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_t, 16])
+        else:
+            acc = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
         tpr = min(32, br // 8)
         d_layout = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [warps, 1], [1, 0])
         d_smem = gl.NVMMASharedLayout.get_default_for([block_t, br], gl.bfloat16)
@@ -761,20 +837,26 @@ def _skinny_dgrad_layouts(warps: int, g: int, rk: int, block_t: int):
 def nvfp4_matmul_dgrad_skinny(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                               global_scale: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
     """``dy [M, N] @ Ŵ -> [M, K]`` for ``M <= 64`` on sm_80+, the weight going from global memory into MMA
-    fragments through registers only. ``config`` = (warps, G, RK[, BLOCK_T[, waves]]): ``16 * warps * RK`` input
-    columns per program, ``16 G`` reduction rows per step, the reduction split until about ``waves`` programs
-    per SM run."""
+    fragments through registers only. ``config`` = (warps, G, RK[, BLOCK_T[, waves[, prefetch]]]): ``16 * warps *
+    RK`` input columns per program, ``16 G`` reduction rows per step, the reduction split until about ``waves``
+    programs per SM run, ``prefetch`` steps of loads (0-2) in flight ahead of the MMAs."""
     M, N = dy.shape
     K = packed.shape[1] * 2
     _check(dy, packed, scale, global_scale, packed.shape[0])
     if M > SKINNY_MAX_M:
         raise ValueError(f"skinny NVFP4 kernel takes at most {SKINNY_MAX_M} rows, got {M}")
-    warps, g, rk, *rest = config or _SKINNY_DGRAD_DEFAULT
+    warps, g, rk, *rest = config or _skinny_dgrad_default(dy.device)
     block_t = rest[0] if rest and rest[0] else max(16, triton.next_power_of_2(M))
     waves = rest[1] if len(rest) > 1 else 4
+    prefetch = rest[2] if len(rest) > 2 else 0
+    wgmma = rest[3] if len(rest) > 3 else 0
     if block_t < M:
         raise ValueError(f"skinny NVFP4 kernel: BLOCK_T={block_t} is smaller than M={M}")
-    q_layout, a_layout, b_layout, acc_layout, d_layout, d_smem = _skinny_dgrad_layouts(warps, g, rk, block_t)
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"skinny NVFP4 kernel: PREFETCH={prefetch} must be 0, 1 or 2 steps")
+    if wgmma not in (0, 1) or (wgmma and _capability(dy.device)[0] != 9):
+        raise ValueError(f"skinny NVFP4 kernel: WGMMA={wgmma} must be 0 (mma.sync) or 1 (wgmma, sm_90 only)")
+    q_layout, a_layout, b_layout, acc_layout, d_layout, d_smem = _skinny_dgrad_layouts(warps, g, rk, block_t, wgmma)
     dy = dy if dy.stride(1) == 1 else dy.contiguous()
     packed = packed if packed.is_contiguous() else packed.contiguous()
     scale = scale if scale.is_contiguous() else scale.contiguous()
@@ -788,16 +870,37 @@ def nvfp4_matmul_dgrad_skinny(dy: torch.Tensor, packed: torch.Tensor, scale: tor
         (tiles, split),
         (dy, packed.view(torch.int32), scale.view(torch.uint8), global_scale, dx, M, N, K, dy.stride(0),
          dx.stride(0), per),
-        ("skinny_dgrad", is_bf16, split, block_k, block_t, g, even, warps, rk),
+        ("skinny_dgrad", is_bf16, split, block_k, block_t, g, even, warps, rk, prefetch, wgmma),
         dict(IS_BF16=is_bf16, SPLIT=split, BLOCK_K=block_k, BLOCK_T=block_t, G=g, EVEN=even, Q_LAYOUT=q_layout,
-             A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout, D_LAYOUT=d_layout, D_SMEM=d_smem),
+             A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout, D_LAYOUT=d_layout, D_SMEM=d_smem,
+             PREFETCH=prefetch, WGMMA=wgmma),
         dict(num_warps=warps))
     return dx.to(dy.dtype) if split > 1 else dx
 
 
-#: 4 warps, 64 reduction rows per step, 128 input columns per program, 8 programs per SM: the best of 18 configs
-#: on most Qwen shapes in an uncommitted H200 probe (CUDA graphs, 1.7-2.4x cuBLAS at 16 rows; the committed
-#: eager column is ``skinny_ms`` in benchmarks/results/train_matmul-h200.json). Reading Ŵ down its columns
-#: costs: a program reads 64 bytes of each row per step, and the transposed fragment needs ~10 instructions per
-#: weight (the forward's contiguous reads and fragments need about half).
-_SKINNY_DGRAD_DEFAULT = (4, 4, 2, 0, 8)
+def _skinny_fwd_default(M: int, device: torch.device) -> tuple:
+    """(BLOCK_N, warps, G, BLOCK_T, waves, prefetch, wgmma) for the skinny forward: one warp group, 64 weight
+    rows x 128 inputs per step (bigger steps keep more bytes in flight than 64), 8 programs per SM; on Hopper a
+    synchronous wgmma with the dequantized weight as its register A operand, elsewhere mma.sync.
+
+    H200 probe (uncommitted; CUDA graphs over rotated weight copies, 8 Qwen shapes): against the previous
+    mma.sync defaults, geometric mean vs cuBLAS 0.94 -> 0.93 at 16 rows, 1.34 -> 1.01 at 32, 1.73 -> 1.39 at 64
+    (mma.sync with these tiles: 0.92, 1.06, 1.63). Register prefetch of the next step did not help: it costs
+    programs per SM."""
+    return _SKINNY_FWD_HOPPER if _capability(device)[0] == 9 else _SKINNY_FWD_MMA
+
+
+def _skinny_dgrad_default(device: torch.device) -> tuple:
+    """(warps, G, RK, BLOCK_T, waves, prefetch, wgmma) for the skinny input gradient: 32 reduction rows x 64
+    input columns per step, the next step's loads in flight (the transposed fragments need many small loads),
+    8 programs per SM; wgmma on Hopper. Same probe: geometric mean vs cuBLAS 2.21 -> 2.19 at 16 rows,
+    2.65 -> 2.28 at 32, 4.34 -> 2.71 at 64 against the previous default (4 warps, 64 rows x 128 columns,
+    mma.sync). Reading Ŵ down its columns costs: the transposed fragment needs ~10 instructions per weight, the
+    forward's about half."""
+    return _SKINNY_DGRAD_HOPPER if _capability(device)[0] == 9 else _SKINNY_DGRAD_MMA
+
+
+_SKINNY_FWD_HOPPER = (64, 4, 8, 0, 8, 0, 1)
+_SKINNY_FWD_MMA = (64, 4, 8, 0, 8, 0, 0)
+_SKINNY_DGRAD_HOPPER = (4, 2, 1, 0, 8, 1, 1)
+_SKINNY_DGRAD_MMA = (4, 2, 1, 0, 8, 1, 0)
