@@ -113,7 +113,7 @@ def _triton_available() -> bool:
 
 _TRITON_OK: bool | None = None
 #: The Triton fused kernels are a candidate up to this many rows; above it they lose to every other path
-#: (2.5-4.1x cuBLAS at >= 2048 rows on an H200, benchmarks/results/train_matmul-h200.json).
+#: (2.5-4.2x cuBLAS at >= 2048 rows on an H200, benchmarks/results/train_matmul-h200.json).
 FUSED_CANDIDATE_MAX_M = 256
 #: Set to 1 to never materialize the dense Ŵ, not even transiently (the ``dequant_mm`` path writes one layer's
 #: 16-bit Ŵ to global memory and frees it after the matmul): only kernels that dequantize on chip are used.

@@ -21,7 +21,7 @@ dimensions, so no data moves between threads.
 Why the fused kernels are only a candidate for small M (``qerl_trl.nvfp4.ops`` times them against
 ``gluon_kernels``' warp-specialized Hopper kernels and dequantize + cuBLAS): Triton 3.6 stages a
 register-computed MMA operand through shared memory and waits for each wgmma before writing the next tile, so
-dequantization and the tensor cores never overlap on Hopper. Measured on an H200, that costs 2.5-4.1x cuBLAS
+dequantization and the tensor cores never overlap on Hopper. Measured on an H200, that costs 2.5-4.2x cuBLAS
 at >= 2048 rows (benchmarks/results/train_matmul-h200.json), with ~3 instructions per weight. The same loop with a
 plain bf16 weight passed through registers already costs 1.5-2.5x, against 1.2-1.8x when the weight is loaded
 straight into shared memory (benchmarks/results/fused_structure-h200.json). Above the fused range,
