@@ -342,3 +342,25 @@ def test_gpu_small_m_path_is_timed_once_and_can_be_forced(monkeypatch):
     monkeypatch.setenv("QERL_NVFP4_FUSED_MAX_M", "64")
     assert ops.triton_path("fwd", x, *q) == "fused"
     assert torch.equal(ops.nvfp4_linear_forward(x, *q), tk.nvfp4_matmul_fwd(x, *q))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sum_splits_adds_the_partials_in_order_and_casts(dtype):
+    """The skinny kernels' split-K reduction: one fixed order, so a split matmul is deterministic."""
+    tk = _tk()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    parts = (torch.randn(5, 3, 1037, generator=g) * torch.logspace(-3, 3, 1037)).to(dev)
+    want = parts[0].clone()
+    for s in range(1, 5):
+        want += parts[s]
+    got = tk.sum_splits(parts, dtype)
+    assert got.shape == (3, 1037) and got.dtype == dtype
+    if dev == "cuda" or dtype == torch.float32:
+        assert torch.equal(got, want.to(dtype))
+        assert torch.equal(tk.sum_splits(parts[:1], dtype), parts[0].to(dtype))
+    else:  # the interpreter's fp32 -> 16-bit cast truncates instead of rounding to nearest: one ulp apart
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        assert torch.allclose(got.float(), want, rtol=ulp, atol=2.0**-24)  # fp16 subnormals: absolute ulp
+    with pytest.raises(ValueError, match="fp32"):
+        tk.sum_splits(parts.half(), dtype)

@@ -56,7 +56,7 @@ except Exception as e:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = e
 
 from ._launch import KernelLauncher
-from .triton_kernels import _check, _dequant_asm, _pair_ptx
+from .triton_kernels import _check, _dequant_asm, _pair_ptx, sum_splits
 
 __all__ = ["available", "supported", "skinny_supported", "nvfp4_matmul_fwd_ws", "nvfp4_matmul_dgrad_ws",
            "nvfp4_matmul_fwd_skinny", "nvfp4_matmul_dgrad_skinny"]
@@ -317,7 +317,8 @@ if _IMPORT_ERROR is None:
     def _store_transposed(acc, gs_ptr, out_ptr, off, M, n_cols, stride_om, IS_BF16: gl.constexpr, SPLIT: gl.constexpr,
                           BLOCK: gl.constexpr, BLOCK_T: gl.constexpr, ACC_LAYOUT: gl.constexpr):
         """Epilogue of the skinny kernels: ``acc [BLOCK output columns, BLOCK_T tokens]`` times ``2**7`` (bf16) or
-        ``2**14`` (fp16) ``/ global`` into ``out [M, n_cols]`` (stored, or added atomically when split)."""
+        ``2**14`` (fp16) ``/ global`` into ``out [M, n_cols]``; a split program stores its fp32 partial into slice
+        ``program_id(1)`` of ``out [SPLIT, M, n_cols]`` (``triton_kernels.sum_splits`` adds them in order)."""
         if IS_BF16:
             acc = acc * (128.0 / gl.load(gs_ptr))
         else:
@@ -326,10 +327,9 @@ if _IMPORT_ERROR is None:
         om = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ACC_LAYOUT))
         ptrs = out_ptr + om[None, :] * stride_om + oc[:, None]
         mask = (om < M)[None, :] & (oc < n_cols)[:, None]
-        if SPLIT == 1:
-            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        if SPLIT > 1:
+            ptrs += gl.program_id(1) * M * stride_om
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, j, k_start, K, q_rmask, s_rmask, xmask, wd, gs, tk,
@@ -788,18 +788,18 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     total = triton.cdiv(K, 16 * g)
     tiles = triton.cdiv(N, block_n)
     split, per = _split(total, tiles, waves, x.device)
-    y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else x.new_empty(M, N)
+    y = x.new_empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else x.dtype)
     is_bf16, even = x.dtype == torch.bfloat16, N % block_n == 0 and K % (16 * g) == 0
     _skinny_launch(
         (tiles, split),
-        (x, packed.view(torch.int32), scale.view(torch.uint8), global_scale, y, M, N, K, x.stride(0), y.stride(0),
+        (x, packed.view(torch.int32), scale.view(torch.uint8), global_scale, y, M, N, K, x.stride(0), y.stride(-2),
          per),
         ("skinny", is_bf16, split, block_n, block_t, g, even, warps, prefetch, wgmma),
         dict(IS_BF16=is_bf16, SPLIT=split, BLOCK_N=block_n, BLOCK_T=block_t, G=g, EVEN=even,
              P_LAYOUT=p_layout, S_LAYOUT=s_layout, A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout,
              X_LAYOUT=x_layout, X_SMEM=x_smem, PREFETCH=prefetch, WGMMA=wgmma),
         dict(num_warps=warps))
-    return y.to(x.dtype) if split > 1 else y
+    return sum_splits(y, x.dtype) if split > 1 else y
 
 
 # ----------------------------------------------------------------------------- skinny input gradient (M small)
@@ -864,18 +864,18 @@ def nvfp4_matmul_dgrad_skinny(dy: torch.Tensor, packed: torch.Tensor, scale: tor
     total = triton.cdiv(N, 16 * g)
     tiles = triton.cdiv(K, block_k)
     split, per = _split(total, tiles, waves, dy.device)
-    dx = torch.zeros(M, K, device=dy.device, dtype=torch.float32) if split > 1 else dy.new_empty(M, K)
+    dx = dy.new_empty((split, M, K) if split > 1 else (M, K), dtype=torch.float32 if split > 1 else dy.dtype)
     is_bf16, even = dy.dtype == torch.bfloat16, N % (16 * g) == 0 and K % block_k == 0
     _skinny_dgrad_launch(
         (tiles, split),
         (dy, packed.view(torch.int32), scale.view(torch.uint8), global_scale, dx, M, N, K, dy.stride(0),
-         dx.stride(0), per),
+         dx.stride(-2), per),
         ("skinny_dgrad", is_bf16, split, block_k, block_t, g, even, warps, rk, prefetch, wgmma),
         dict(IS_BF16=is_bf16, SPLIT=split, BLOCK_K=block_k, BLOCK_T=block_t, G=g, EVEN=even, Q_LAYOUT=q_layout,
              A_LAYOUT=a_layout, B_LAYOUT=b_layout, ACC_LAYOUT=acc_layout, D_LAYOUT=d_layout, D_SMEM=d_smem,
              PREFETCH=prefetch, WGMMA=wgmma),
         dict(num_warps=warps))
-    return dx.to(dy.dtype) if split > 1 else dx
+    return sum_splits(dx, dy.dtype) if split > 1 else dx
 
 
 def _skinny_fwd_default(M: int, device: torch.device) -> tuple:

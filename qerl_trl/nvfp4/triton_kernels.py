@@ -470,6 +470,37 @@ _INTERP_CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 #: default 256-column config by 8-13% on six Qwen shapes on an H200 (2.4-3.5 TB/s) and rank first among 8 configs
 #: on five of them, within 3% on the sixth (benchmarks/results/launch_overhead-h200.json, part "dequant"). Fixed
 #: rather than autotuned so the launch skips the autotuner's per-call Python.
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = partials[0] + ... + partials[SPLIT - 1]`` in that order (fp32), cast to ``out``'s dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_sum_splits_launch = KernelLauncher(_sum_splits_kernel)
+
+
+def sum_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[split, *shape]`` fp32 partial sums of a split-K matmul -> their sum ``[*shape]`` in ``dtype``.
+
+    One launch replaces zero-filling an fp32 output, adding the splits into it atomically and casting it (three
+    launches), and the fixed summation order makes the result deterministic."""
+    if partials.dtype != torch.float32 or not partials.is_contiguous() or partials.dim() < 2:
+        raise ValueError(f"sum_splits takes contiguous fp32 [split, ...] partials, got {partials.dtype} "
+                         f"{tuple(partials.shape)}")
+    split = partials.shape[0]
+    out = partials.new_empty(partials.shape[1:], dtype=dtype)
+    numel = out.numel()
+    if numel:
+        _sum_splits_launch((triton.cdiv(numel, 1024),), (partials, out, numel), ("sum", split),
+                           dict(SPLIT=split, BLOCK=1024), dict(num_warps=4))
+    return out
+
+
 _DEQUANT_CFG = dict(BLOCK_R=8, BLOCK_C=1024, ROW_STEPS=1)
 _DEQUANT_WARPS = 4
 _dequant_launch = KernelLauncher(_dequant_kernel)
