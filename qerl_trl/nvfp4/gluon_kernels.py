@@ -356,7 +356,7 @@ if _IMPORT_ERROR is None:
                            ACC_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, X_SMEM: gl.constexpr,
                            PREFETCH: gl.constexpr, WGMMA: gl.constexpr):
         """``y [M, N] = x @ Ŵᵀ`` for a few rows (M <= BLOCK_T): ``yᵀ = Ŵ @ xᵀ`` with the weight as the MMA's A
-        operand, dequantized straight into mma.sync A fragments in registers (no shared memory at all).
+        operand, dequantized straight into its A fragments in registers (no shared memory for the weight).
 
         Lane ``c`` of a quad must hold columns ``2c, 2c+1, 2c+8, 2c+9`` of each 16-group: bytes ``c`` of the group's
         two words. So every lane of a quad loads the same ``2 G`` words of its row (``P_LAYOUT`` over
@@ -400,26 +400,18 @@ if _IMPORT_ERROR is None:
         x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_T, BK], X_SMEM)
 
         acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=ACC_LAYOUT)
-        # PREFETCH steps' loads are in flight while a step computes: one program's step is only a few KiB, so
-        # without them the loop waits a full memory latency per step
-        if PREFETCH >= 1:
+        # PREFETCH: the next step's loads are in flight while a step computes (one program's step is only a few
+        # KiB, so without it the loop waits a memory latency per step, but it costs registers: programs per SM)
+        if PREFETCH:
             q1, sc1, xv1 = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, 0, k_start, K, q_rmask, s_rmask, xmask, wd,
                                              gs, tk, BK, EVEN)
-        if PREFETCH >= 2:
-            q2, sc2, xv2 = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, gl.minimum(1, n_steps - 1), k_start, K,
-                                             q_rmask, s_rmask, xmask, wd, gs, tk, BK, EVEN)
         for i in range(n_steps):
             if PREFETCH == 0:
                 q, sc, xv = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, i, k_start, K, q_rmask, s_rmask, xmask, wd,
                                               gs, tk, BK, EVEN)
-            elif PREFETCH == 1:  # past the last step the same step loads again (an L1 hit, no mask needed)
+            else:  # past the last step the same step loads again (an L1 hit, no mask needed)
                 q, sc, xv = q1, sc1, xv1
                 q1, sc1, xv1 = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, gl.minimum(i + 1, n_steps - 1), k_start,
-                                                 K, q_rmask, s_rmask, xmask, wd, gs, tk, BK, EVEN)
-            else:
-                q, sc, xv = q1, sc1, xv1
-                q1, sc1, xv1 = q2, sc2, xv2
-                q2, sc2, xv2 = _skinny_fwd_loads(q_ptrs, s_ptrs, x_ptrs, gl.minimum(i + 2, n_steps - 1), k_start,
                                                  K, q_rmask, s_rmask, xmask, wd, gs, tk, BK, EVEN)
             w0, w1 = gl.split(gl.reshape(q, [BLOCK_N, 4, G, 2]))
             w0 = gl.convert_layout(w0, S_LAYOUT)
@@ -506,24 +498,16 @@ if _IMPORT_ERROR is None:
         d_smem = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [BLOCK_T, BR], D_SMEM)
 
         acc = gl.zeros([BLOCK_K, BLOCK_T], gl.float32, layout=ACC_LAYOUT)
-        if PREFETCH >= 1:  # as in the forward: later steps' loads fly while this one computes
+        if PREFETCH:  # as in the forward: the next step's loads fly while this one computes
             q1, sc1, dv1 = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, 0, n_start, N, rn, tn, kmask, dmask, K, BR,
                                                EVEN)
-        if PREFETCH >= 2:
-            q2, sc2, dv2 = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, gl.minimum(1, n_steps - 1), n_start, N, rn,
-                                               tn, kmask, dmask, K, BR, EVEN)
         for i in range(n_steps):
             if PREFETCH == 0:
                 q, sc, dv = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, i, n_start, N, rn, tn, kmask, dmask, K, BR,
                                                 EVEN)
-            elif PREFETCH == 1:
-                q, sc, dv = q1, sc1, dv1
-                q1, sc1, dv1 = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, gl.minimum(i + 1, n_steps - 1), n_start,
-                                                   N, rn, tn, kmask, dmask, K, BR, EVEN)
             else:
                 q, sc, dv = q1, sc1, dv1
-                q1, sc1, dv1 = q2, sc2, dv2
-                q2, sc2, dv2 = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, gl.minimum(i + 2, n_steps - 1), n_start,
+                q1, sc1, dv1 = _skinny_dgrad_loads(q_ptrs, s_ptrs, d_ptrs, gl.minimum(i + 1, n_steps - 1), n_start,
                                                    N, rn, tn, kmask, dmask, K, BR, EVEN)
             wa, wb = gl.split(gl.permute(gl.reshape(q, [BR // 2, 2, 8, WK]), (0, 2, 3, 1)))
             sf = _scale_16bit(sc.to(gl.int32))
@@ -763,7 +747,7 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     """``x [M, K] @ Ŵᵀ`` for ``M <= 64`` on sm_80+: weight-read bound, so the weight goes straight from global
     memory into MMA fragments. ``config`` = (BLOCK_N, warps, G[, BLOCK_T[, waves[, prefetch]]]); BLOCK_T (16, 32
     or 64) pads the token count for the MMA (0 or absent: the smallest that holds M); the reduction is split until
-    about ``waves`` (default 4) programs per SM run; ``prefetch`` steps of loads (0-2) fly ahead of the MMAs."""
+    about ``waves`` (default 4) programs per SM run; ``prefetch`` (0 or 1) keeps the next step's loads in flight."""
     M, K = x.shape
     N = packed.shape[0]
     _check(x, packed, scale, global_scale, packed.shape[1] * 2)
@@ -776,8 +760,8 @@ def nvfp4_matmul_fwd_skinny(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     wgmma = rest[3] if len(rest) > 3 else 0
     if block_t < M:
         raise ValueError(f"skinny NVFP4 kernel: BLOCK_T={block_t} is smaller than M={M}")
-    if prefetch not in (0, 1, 2):
-        raise ValueError(f"skinny NVFP4 kernel: PREFETCH={prefetch} must be 0, 1 or 2 steps")
+    if prefetch not in (0, 1):
+        raise ValueError(f"skinny NVFP4 kernel: PREFETCH={prefetch} must be 0 or 1 step")
     if wgmma not in (0, 1) or (wgmma and _capability(x.device)[0] != 9):
         raise ValueError(f"skinny NVFP4 kernel: WGMMA={wgmma} must be 0 (mma.sync) or 1 (wgmma, sm_90 only)")
     p_layout, s_layout, a_layout, b_layout, acc_layout, x_layout, x_smem = _skinny_layouts(block_n, warps, g,
@@ -839,7 +823,7 @@ def nvfp4_matmul_dgrad_skinny(dy: torch.Tensor, packed: torch.Tensor, scale: tor
     """``dy [M, N] @ Ŵ -> [M, K]`` for ``M <= 64`` on sm_80+, the weight going from global memory into MMA
     fragments through registers only. ``config`` = (warps, G, RK[, BLOCK_T[, waves[, prefetch]]]): ``16 * warps *
     RK`` input columns per program, ``16 G`` reduction rows per step, the reduction split until about ``waves``
-    programs per SM run, ``prefetch`` steps of loads (0-2) in flight ahead of the MMAs."""
+    programs per SM run, ``prefetch`` (0 or 1) keeps the next step's loads in flight."""
     M, N = dy.shape
     K = packed.shape[1] * 2
     _check(dy, packed, scale, global_scale, packed.shape[0])
@@ -852,8 +836,8 @@ def nvfp4_matmul_dgrad_skinny(dy: torch.Tensor, packed: torch.Tensor, scale: tor
     wgmma = rest[3] if len(rest) > 3 else 0
     if block_t < M:
         raise ValueError(f"skinny NVFP4 kernel: BLOCK_T={block_t} is smaller than M={M}")
-    if prefetch not in (0, 1, 2):
-        raise ValueError(f"skinny NVFP4 kernel: PREFETCH={prefetch} must be 0, 1 or 2 steps")
+    if prefetch not in (0, 1):
+        raise ValueError(f"skinny NVFP4 kernel: PREFETCH={prefetch} must be 0 or 1 step")
     if wgmma not in (0, 1) or (wgmma and _capability(dy.device)[0] != 9):
         raise ValueError(f"skinny NVFP4 kernel: WGMMA={wgmma} must be 0 (mma.sync) or 1 (wgmma, sm_90 only)")
     q_layout, a_layout, b_layout, acc_layout, d_layout, d_smem = _skinny_dgrad_layouts(warps, g, rk, block_t, wgmma)
