@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
+import sys
 from importlib import metadata
 
 import torch
@@ -64,3 +66,14 @@ def result_envelope(benchmark: str, rows: list, command: str) -> dict:
         "command": command,
         "rows": rows,
     }
+
+
+def write_result(benchmark: str, rows: list, out_dir: str, command: str | None = None) -> str:
+    """(Re)write ``<out_dir>/<benchmark>-<gpu tag>.json`` with :func:`result_envelope`; returns its path.
+    ``command`` defaults to this process's own command line."""
+    env = result_envelope(benchmark, rows, command or "python " + " ".join(sys.argv))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{benchmark}-{gpu_tag()}.json")
+    with open(path, "w") as f:
+        json.dump(env, f, indent=1, default=str)
+    return path

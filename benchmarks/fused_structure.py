@@ -13,7 +13,6 @@ every dequantized tile reaches ``tl.dot``; ``triton_reg_as_a`` the weight in reg
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from benchmarks._common import gpu_tag, result_envelope  # noqa: E402
+from benchmarks._common import write_result  # noqa: E402
 from qerl_trl.nvfp4 import format as F  # noqa: E402
 from qerl_trl.nvfp4 import triton_kernels as tk  # noqa: E402
 
@@ -99,12 +98,7 @@ def main() -> None:
             row["nvfp4_fused_vs_cublas"] = round(bench(lambda: tk.nvfp4_matmul_fwd(x, *q, config=cfg)) / t_cublas, 3)
             rows.append(row)
             print(row, flush=True)
-    env = result_envelope("fused_structure", rows, "python " + " ".join(sys.argv))
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"fused_structure-{gpu_tag()}.json")
-    with open(path, "w") as f:
-        json.dump(env, f, indent=1)
-    print("wrote", path)
+    print("wrote", write_result("fused_structure", rows, args.out_dir))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ exact}``; ``config`` = rows x warps x row steps x columns; the shipped one is ``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._common import gpu_tag, result_envelope  # noqa: E402
+from benchmarks._common import write_result  # noqa: E402
 from qerl_trl.nvfp4 import format as F  # noqa: E402
 from qerl_trl.nvfp4 import gluon_kernels as gk  # noqa: E402
 from qerl_trl.nvfp4 import ops  # noqa: E402
@@ -98,12 +97,7 @@ def main() -> None:
                              shipped=dict(BLOCK_R=br, BLOCK_C=bc, ROW_STEPS=steps) == tk._DEQUANT_CFG
                              and warps == tk._DEQUANT_WARPS))
             print(rows[-1], flush=True)
-    env = result_envelope("launch_overhead", rows, "python " + " ".join(sys.argv))
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"launch_overhead-{gpu_tag()}.json")
-    with open(path, "w") as f:
-        json.dump(env, f, indent=1)
-    print("wrote", path)
+    print("wrote", write_result("launch_overhead", rows, args.out_dir))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ timing of a ~10 µs matmul mostly measures Python launch cost. A few seconds of 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._common import gpu_tag, result_envelope  # noqa: E402
+from benchmarks._common import write_result  # noqa: E402
 from qerl_trl.nvfp4 import format as F  # noqa: E402
 from qerl_trl.nvfp4 import ops  # noqa: E402
 from qerl_trl.nvfp4 import gluon_kernels as gk  # noqa: E402
@@ -170,18 +169,8 @@ def main() -> None:
             del x, dy
         del qs, ws, w_ref, q
         torch.cuda.empty_cache()
-        write(rows, args.out_dir)
-    print("wrote", write(rows, args.out_dir))
-
-
-def write(rows, out_dir) -> str:
-    """(Re)write the result file; called after every layer so a cut-off run keeps what it measured."""
-    env = result_envelope("train_matmul", rows, "python " + " ".join(sys.argv))
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"train_matmul-{gpu_tag()}.json")
-    with open(path, "w") as f:
-        json.dump(env, f, indent=1)
-    return path
+        write_result("train_matmul", rows, args.out_dir)  # after every layer: a cut-off run keeps what it measured
+    print("wrote", write_result("train_matmul", rows, args.out_dir))
 
 
 if __name__ == "__main__":

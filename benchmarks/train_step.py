@@ -16,7 +16,6 @@ rows ``{config, seconds, peak_gib}`` (seconds: median step time; peak_gib: torch
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._common import gpu_tag, result_envelope  # noqa: E402
+from benchmarks._common import write_result  # noqa: E402
 from qerl_trl.nvfp4 import ops  # noqa: E402
 from qerl_trl.nvfp4.format import compute_global_scale  # noqa: E402
 from qerl_trl.nvfp4.linear import NVFP4Linear  # noqa: E402
@@ -139,12 +138,7 @@ def main() -> None:
     if "bf16" in base:
         for r in rows:
             r["vs_bf16_time"] = round(r["seconds"] / base["bf16"]["seconds"], 3)
-    env = result_envelope("train_step", rows, "python " + " ".join(sys.argv))
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"train_step-{gpu_tag()}.json")
-    with open(path, "w") as f:
-        json.dump(env, f, indent=1)
-    print("wrote", path)
+    print("wrote", write_result("train_step", rows, args.out_dir))
 
 
 if __name__ == "__main__":

@@ -286,26 +286,17 @@ def test_gpu_skinny_refuses_too_many_rows_and_dispatch_offers_it_for_both_passes
 def test_gpu_skinny_cuda_graph_capture():
     gk = _gk()
     q = _weight(1024, 4096, device="cuda", seed=4)  # long enough reductions that both passes split
-    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-    gk.nvfp4_matmul_fwd_skinny(x, *q)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = gk.nvfp4_matmul_fwd_skinny(x, *q)
-    x.copy_(torch.randn_like(x))
-    want = gk.nvfp4_matmul_fwd_skinny(x, *q)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, want)  # split-K partials are summed in a fixed order: deterministic
-    dy = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
-    gk.nvfp4_matmul_dgrad_skinny(dy, *q)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        dx = gk.nvfp4_matmul_dgrad_skinny(dy, *q)
-    dy.copy_(torch.randn_like(dy))
-    want = gk.nvfp4_matmul_dgrad_skinny(dy, *q)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(dx, want)
+    for fn, a in ((gk.nvfp4_matmul_fwd_skinny, torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)),
+                  (gk.nvfp4_matmul_dgrad_skinny, torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16))):
+        fn(a, *q)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn(a, *q)
+        a.copy_(torch.randn_like(a))
+        want = fn(a, *q)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)  # split-K partials are summed in a fixed order: deterministic
 
 
 @pytest.mark.gpu

@@ -22,9 +22,10 @@ For forwards of at most 64 rows (decode shapes) :func:`nvfp4_matmul_fwd_skinny` 
 registers with the same per-warp fragment), each lane dequantizing exactly the bytes its A fragment holds, so
 the weight goes from global memory to the tensor cores through registers only (sm_80+);
 :func:`nvfp4_matmul_dgrad_skinny` does the same for ``dxᵀ = Ŵᵀ dyᵀ``, each lane picking one code out of each
-word it loads, since a fragment register of ``Ŵᵀ`` pairs two rows of Ŵ. No host syncs (the global scale is read through a pointer) and no
-per-call allocation beyond the output, so the kernels are CUDA-graph safe. Small M splits the reduction over
-``SPLIT`` programs that add fp32 partial sums atomically.
+word it loads, since a fragment register of ``Ŵᵀ`` pairs two rows of Ŵ. No host syncs (the global scale is read
+through a pointer) and no per-call allocation beyond the output (and split-K's fp32 partials), so the kernels are
+CUDA-graph safe. Small M splits the reduction over ``SPLIT`` programs: the ``ws`` kernels add fp32 partial sums
+atomically; the skinny ones store them and ``triton_kernels.sum_splits`` adds them in a fixed order.
 
 Written against Triton 3.6's Gluon API (``triton.experimental.gluon``); :func:`available` says whether it
 imports, and everything else (CPU, the interpreter, other GPUs, other Triton versions) uses

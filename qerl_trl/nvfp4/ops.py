@@ -151,8 +151,6 @@ def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.T
     forced = os.environ.get("QERL_NVFP4_FUSED_MAX_M")
     if forced is not None:
         return "fused" if m <= int(forced) else "dequant_mm"
-    from .triton_kernels import m_bucket
-
     return _triton_decision(kind, a, packed, scale, global_scale)[0]
 
 
