@@ -868,20 +868,17 @@ def _skinny_fwd_default(M: int, device: torch.device) -> tuple:
     rows x 128 inputs per step (bigger steps keep more bytes in flight than 64), 8 programs per SM; on Hopper a
     synchronous wgmma with the dequantized weight as its register A operand, elsewhere mma.sync.
 
-    H200 probe (uncommitted; CUDA graphs over rotated weight copies, 8 Qwen shapes): against the previous
-    mma.sync defaults, geometric mean vs cuBLAS 0.94 -> 0.93 at 16 rows, 1.34 -> 1.01 at 32, 1.73 -> 1.39 at 64
-    (mma.sync with these tiles: 0.92, 1.06, 1.63). Register prefetch of the next step did not help: it costs
-    programs per SM."""
+    Chosen by an H200 config sweep (CUDA graphs over rotated weight copies, 8 Qwen shapes, 16-64 rows; a
+    scratch probe): register prefetch of the next step did not help, since it costs programs per SM. The
+    committed numbers are ``skinny_graph_ms`` in benchmarks/results/train_matmul-h200.json."""
     return _SKINNY_FWD_HOPPER if _capability(device)[0] == 9 else _SKINNY_FWD_MMA
 
 
 def _skinny_dgrad_default(device: torch.device) -> tuple:
     """(warps, G, RK, BLOCK_T, waves, prefetch, wgmma) for the skinny input gradient: 32 reduction rows x 64
     input columns per step, the next step's loads in flight (the transposed fragments need many small loads),
-    8 programs per SM; wgmma on Hopper. Same probe: geometric mean vs cuBLAS 2.21 -> 2.19 at 16 rows,
-    2.65 -> 2.28 at 32, 4.34 -> 2.71 at 64 against the previous default (4 warps, 64 rows x 128 columns,
-    mma.sync). Reading Ŵ down its columns costs: the transposed fragment needs ~10 instructions per weight, the
-    forward's about half."""
+    8 programs per SM; wgmma on Hopper (same sweep). Reading Ŵ down its columns costs: the transposed fragment
+    needs ~10 instructions per weight, the forward's about half."""
     return _SKINNY_DGRAD_HOPPER if _capability(device)[0] == 9 else _SKINNY_DGRAD_MMA
 
 
