@@ -70,8 +70,6 @@ def main() -> None:
     }
     if gk.skinny_supported(x, q.weight_packed):
         calls["gluon_kernels.nvfp4_matmul_fwd_skinny"] = lambda: gk.nvfp4_matmul_fwd_skinny(x, *q)
-    if gk.supported(x, q.weight_packed, q.weight_scale):
-        calls["gluon_kernels.nvfp4_matmul_fwd_ws"] = lambda: gk.nvfp4_matmul_fwd_ws(x, *q)
     for name, fn in calls.items():
         rows.append(dict(part="host_us", call=name, host_us=host_us(fn)))
         print(rows[-1], flush=True)

@@ -1,4 +1,4 @@
-"""Training-pass NVFP4 matmuls on Qwen2.5-7B/32B layer shapes: BF16 cuBLAS vs naive dequantize+matmul vs Triton.
+"""Training-pass NVFP4 matmuls on Qwen2.5-7B/32B layer shapes: BF16 cuBLAS vs naive dequantize+matmul vs ours.
 
     python benchmarks/train_matmul.py [--out-dir benchmarks/results] [--tokens 16 64 256 2048 8192]
 
@@ -6,14 +6,17 @@ Forward ``y = x @ Wᵀ`` and input gradient ``dx = dy @ W`` per layer; times are
 ``triton.testing.do_bench`` (CUDA events, warm-up, L2 flushed before every repeat) with weights rotated over
 several copies. Writes ``<out-dir>/train_matmul-<gpu>.json`` rows ``{layer, tokens, pass, bf16_ms, naive_ms,
 nvfp4_ms}``: ``naive`` is QeRL's PyTorch unpack + cuBLAS, ``nvfp4`` what ``NVFP4Linear`` runs (the dispatch in
-``qerl_trl.nvfp4.ops``). Each row also times both of our paths, ``fused_ms`` (the Triton kernels that never write
-Ŵ) and ``dequant_mm_ms`` (one Triton dequantize pass + cuBLAS), names the one dispatched (``nvfp4_path``) and
-gives the fused kernel's error against the fp32 reference and its tuned config. On Hopper it also times the
-warp-specialized Gluon kernels (``ws_ms``, never write Ŵ either) with their per-M default config, and up to 64
-rows the skinny Gluon kernels (``skinny_ms``, forward and input gradient). Up to 64 rows it also replays BF16
-and the dispatched path from CUDA graphs (``bf16_graph_ms``, ``nvfp4_graph_ms``; one graph calls every weight
-copy in turn, so weights come from HBM, not L2): the rollout engine runs decode-sized matmuls that way, and eager
-timing of a ~10 µs matmul mostly measures Python launch cost. A few seconds of warm-up precede the first layer.
+``qerl_trl.nvfp4.ops``). Each row also times each path the dispatch can pick, ``dequant_mm_ms`` (one Triton
+dequantize pass + cuBLAS) and, for forwards up to 64 rows, ``skinny_ms`` (the Gluon decode kernel), and names
+the one dispatched (``nvfp4_path``) with its error against the fp32 reference. Up to 64 rows it also replays BF16,
+the dispatched path and the skinny kernel from CUDA graphs (``bf16_graph_ms``, ``nvfp4_graph_ms``,
+``skinny_graph_ms``; one graph calls every weight copy in turn, so weights come from HBM, not L2): decode runs
+that way, and eager timing of a ~10 µs matmul mostly measures Python launch cost. A few seconds of warm-up precede
+the first layer.
+
+``benchmarks/results/train_matmul-h200.json`` (at b0fee67) also has the columns of the paths removed since
+(``fused_ms``: Triton kernels that dequantize in registers; ``ws_ms``: warp-specialized Gluon kernels; the skinny
+input gradient): they won on no product path there.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from benchmarks._common import write_result  # noqa: E402
 from qerl_trl.nvfp4 import format as F  # noqa: E402
 from qerl_trl.nvfp4 import ops  # noqa: E402
 from qerl_trl.nvfp4 import gluon_kernels as gk  # noqa: E402
-from qerl_trl.nvfp4 import triton_kernels as tk  # noqa: E402
 
 SHAPES = {  # layer -> (N = out_features, K = in_features)
     "qwen2.5-7b.qkv": (3584 + 2 * 512, 3584),
@@ -116,10 +118,9 @@ def main() -> None:
             dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
             for pas in ("fwd", "dgrad"):
                 a = x if pas == "fwd" else dy
-                fused = tk.nvfp4_matmul_fwd if pas == "fwd" else tk.nvfp4_matmul_dgrad
                 dispatched = ops.nvfp4_linear_forward if pas == "fwd" else ops.nvfp4_linear_dgrad
                 naive = ops.reference_forward if pas == "fwd" else ops.reference_dgrad
-                out = fused(a, *q)  # autotunes this (M bucket, N, K) once
+                out = dispatched(a, *q)  # the dispatch decides (and compiles) once per (pass, M bucket, shape)
                 ref = a.float() @ (w_ref.t() if pas == "fwd" else w_ref)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 del out, ref
@@ -129,43 +130,27 @@ def main() -> None:
                     t_bf16 = bench([lambda W=W: a @ W for W in ws])
                 t_deq_mm = bench([lambda Q=Q: ops.dequant_matmul(pas, a, *Q) for Q in qs])
                 t_naive = bench([lambda Q=Q: naive(a, *Q) for Q in qs])
-                t_fused = bench([lambda Q=Q: fused(a, *Q) for Q in qs])
                 t_ours = bench([lambda Q=Q: dispatched(a, *Q) for Q in qs])
-                t_ws = ws_err = None
-                if gk.supported(a, q.weight_packed, q.weight_scale):
-                    ws_fn = gk.nvfp4_matmul_fwd_ws if pas == "fwd" else gk.nvfp4_matmul_dgrad_ws
-                    ref = a.float() @ (w_ref.t() if pas == "fwd" else w_ref)
-                    ws_err = ((ws_fn(a, *q).float() - ref).norm() / ref.norm()).item()
-                    del ref
-                    t_ws = bench([lambda Q=Q: ws_fn(a, *Q) for Q in qs])
                 t_skinny = None
-                if gk.skinny_supported(a, q.weight_packed):
-                    sk_fn = gk.nvfp4_matmul_fwd_skinny if pas == "fwd" else gk.nvfp4_matmul_dgrad_skinny
-                    t_skinny = bench([lambda Q=Q: sk_fn(a, *Q) for Q in qs])
+                if pas == "fwd" and gk.skinny_supported(a, q.weight_packed):
+                    t_skinny = bench([lambda Q=Q: gk.nvfp4_matmul_fwd_skinny(a, *Q) for Q in qs])
                 graph = {}
-                if m <= GRAPH_MAX_M:  # decode-sized: also time inside CUDA graphs, as vLLM runs them
+                if m <= GRAPH_MAX_M:  # decode-sized: also time inside CUDA graphs
                     graph["bf16_graph_ms"] = graph_ms([lambda W=W: a @ (W.t() if pas == "fwd" else W) for W in ws])
                     graph["nvfp4_graph_ms"] = graph_ms([lambda Q=Q: dispatched(a, *Q) for Q in qs])
                     if t_skinny is not None:
-                        graph["skinny_graph_ms"] = graph_ms([lambda Q=Q: sk_fn(a, *Q) for Q in qs])
+                        graph["skinny_graph_ms"] = graph_ms([lambda Q=Q: gk.nvfp4_matmul_fwd_skinny(a, *Q) for Q in qs])
                     graph["nvfp4_graph_vs_bf16"] = round(graph["nvfp4_graph_ms"] / graph["bf16_graph_ms"], 3)
-                kern = (tk._fwd_small if m <= 64 else tk._fwd_large) if pas == "fwd" else (
-                    tk._dgrad_small if m <= 64 else tk._dgrad_large)
-                cfg = getattr(kern, "best_config", None)
                 row = dict(layer=layer, tokens=m, **{"pass": pas}, bf16_ms=round(t_bf16, 5),
                            naive_ms=round(t_naive, 5), nvfp4_ms=round(t_ours, 5),
                            nvfp4_vs_bf16=round(t_ours / t_bf16, 3), naive_vs_bf16=round(t_naive / t_bf16, 3),
-                           fused_ms=round(t_fused, 5), dequant_mm_ms=round(t_deq_mm, 5),
-                           ws_ms=None if t_ws is None else round(t_ws, 5),
-                           ws_vs_bf16=None if t_ws is None else round(t_ws / t_bf16, 3),
-                           ws_rel_err=None if ws_err is None else float(f"{ws_err:.3g}"),
+                           dequant_mm_ms=round(t_deq_mm, 5),
                            skinny_ms=None if t_skinny is None else round(t_skinny, 5), **graph,
-                           nvfp4_path=ops.triton_path(pas, a, *q),
-                           rel_err=float(f"{err:.3g}"), N=n, K=k, fused_config=str(cfg) if cfg else None)
+                           nvfp4_path=ops.triton_path(pas, a, *q), rel_err=float(f"{err:.3g}"), N=n, K=k)
                 rows.append(row)
-                print(f"{layer:20s} M={m:5d} {pas:5s} bf16 {t_bf16:7.4f} naive {t_naive:7.4f} fused {t_fused:7.4f} "
-                      f"({t_fused / t_bf16:4.2f}x) deq+mm {t_deq_mm:7.4f} ({t_deq_mm / t_bf16:4.2f}x) ours "
-                      f"{t_ours / t_bf16:4.2f}x err {err:.1e} {cfg}", flush=True)
+                print(f"{layer:20s} M={m:5d} {pas:5s} bf16 {t_bf16:7.4f} naive {t_naive:7.4f} deq+mm {t_deq_mm:7.4f} "
+                      f"({t_deq_mm / t_bf16:4.2f}x) ours {t_ours / t_bf16:4.2f}x ({row['nvfp4_path']}) err {err:.1e}",
+                      flush=True)
             del x, dy
         del qs, ws, w_ref, q
         torch.cuda.empty_cache()

@@ -2,8 +2,7 @@
 
     python benchmarks/train_step.py [--out-dir benchmarks/results] [--batch 8 --seq 2304 --steps 5]
 
-Configs: ``nvfp4`` (NVFP4Linear base, our kernels, fastest path per matmul), ``nvfp4-no-dense`` (the same with
-``QERL_NVFP4_NO_DENSE_WEIGHT=1``: only kernels that never write Ŵ to global memory), ``bf16`` (frozen BF16
+Configs: ``nvfp4`` (NVFP4Linear base, our kernels, fastest path per matmul), ``bf16`` (frozen BF16
 nn.Linear base), ``nvfp4-naive`` (NVFP4Linear with ``QERL_NVFP4_BACKEND=reference``: dequantize + matmul every
 call, as the published QeRL code).
 Gradient checkpointing on each layer (``torch.utils.checkpoint``, non-reentrant), sdpa attention, bf16.
@@ -27,7 +26,6 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks._common import write_result  # noqa: E402
-from qerl_trl.nvfp4 import ops  # noqa: E402
 from qerl_trl.nvfp4.format import compute_global_scale  # noqa: E402
 from qerl_trl.nvfp4.linear import NVFP4Linear  # noqa: E402
 
@@ -92,7 +90,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2304)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--configs", nargs="+", default=["bf16", "nvfp4", "nvfp4-no-dense", "nvfp4-naive"])
+    ap.add_argument("--configs", nargs="+", default=["bf16", "nvfp4", "nvfp4-naive"])
     args = ap.parse_args()
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
@@ -106,7 +104,6 @@ def main() -> None:
     rows = []
     for cfg in args.configs:
         os.environ["QERL_NVFP4_BACKEND"] = "reference" if cfg == "nvfp4-naive" else "auto"
-        os.environ[ops.NO_DENSE_ENV] = "1" if cfg == "nvfp4-no-dense" else "0"
         layers = build(config, "bf16" if cfg == "bf16" else "nvfp4", args.layers)
         torch.manual_seed(1)
         hidden = torch.randn(args.batch, args.seq, config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -133,7 +130,6 @@ def main() -> None:
         del layers, hidden
         torch.cuda.empty_cache()
     os.environ.pop("QERL_NVFP4_BACKEND", None)
-    os.environ.pop(ops.NO_DENSE_ENV, None)
     base = {r["config"]: r for r in rows}
     if "bf16" in base:
         for r in rows:

@@ -1,5 +1,5 @@
-"""Triton NVFP4 matmuls against the float64 truth: on CPU under TRITON_INTERPRET=1 (small shapes), on GPU at
-Qwen2.5 shapes (``-m gpu``)."""
+"""The Triton NVFP4 kernels (dequantize, split-K sum) and the CUDA dispatch against the float64 truth: on CPU under
+TRITON_INTERPRET=1 (small shapes), on GPU at Qwen2.5 shapes (``-m gpu``)."""
 
 from __future__ import annotations
 
@@ -37,50 +37,6 @@ def _weight(n, k, device="cpu", seed=0):
     return F.quantize(w.to(device))
 
 
-# float32 activations (interpreter only) use an exact-fp32 dot, so they check the dequantization bit for bit;
-# bf16/fp16 errors are the output's own rounding (bf16 eps 2**-8, fp16 2**-11).
-TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 6e-3}
-
-
-@cpu_interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (37, 64, 96), (16, 32, 32)])
-def test_interp_fwd_dgrad_match_fp64(dtype, m, n, k):
-    tk = _tk()
-    q = _weight(n, k, seed=m + n + k)
-    w64 = F.dequantize(*q, dtype=torch.float64)
-    x = torch.randn(m, k).to(dtype)
-    dy = torch.randn(m, n).to(dtype)
-    y = tk.nvfp4_matmul_fwd(x, *q)
-    dx = tk.nvfp4_matmul_dgrad(dy, *q)
-    assert y.shape == (m, n) and y.dtype == dtype
-    assert dx.shape == (m, k) and dx.dtype == dtype
-    assert _rel(y, x.double() @ w64.t()) < TOL[dtype]
-    assert _rel(dx, dy.double() @ w64) < TOL[dtype]
-
-
-@cpu_interp
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT=2),  # split reduction, K/N not multiples of the tile
-        dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, SPLIT=3, GROUP_M=2),
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT=1),  # tiles wider than N
-        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT=2),  # K tail inside one tile
-        dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, SPLIT=1, GROUP_M=1),
-    ],
-)
-def test_interp_tile_configs(cfg):
-    tk = _tk()
-    m, n, k = 33, 48, 80
-    q = _weight(n, k, seed=3)
-    w64 = F.dequantize(*q, dtype=torch.float64)
-    x = torch.randn(m, k)
-    dy = torch.randn(m, n)
-    assert _rel(tk.nvfp4_matmul_fwd(x, *q, config=cfg), x.double() @ w64.t()) < 1e-6
-    assert _rel(tk.nvfp4_matmul_dgrad(dy, *q, config=cfg), dy.double() @ w64) < 1e-6
-
-
 @cpu_interp
 def test_interp_extreme_codes_and_scales():
     """Every E2M1 code (both signs, -0) and FP8 scales from subnormal to 448 dequantize exactly."""
@@ -92,20 +48,17 @@ def test_interp_extreme_codes_and_scales():
     scale_vals = torch.tensor([2.0**-9, 0.125, 0.75, 1.0, 17.0, 240.0, 448.0, 3.0]).repeat(n * 4 // 8 + 1)
     scale = scale_vals[: n * 4].reshape(n, 4).to(torch.float8_e4m3fn)
     gs = torch.tensor([3.7], dtype=torch.float32)
-    w64 = F.dequantize(packed, scale, gs, dtype=torch.float64)
-    x = torch.randn(5, k)
-    assert _rel(tk.nvfp4_matmul_fwd(x, packed, scale, gs), x.double() @ w64.t()) < 1e-6
-    dy = torch.randn(5, n)
-    assert _rel(tk.nvfp4_matmul_dgrad(dy, packed, scale, gs), dy.double() @ w64) < 1e-6
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(tk.nvfp4_dequantize(packed, scale, gs, dtype=dtype), F.dequantize(packed, scale, gs, dtype=dtype))
 
 
 def test_bad_shapes_raise_clear_errors():
     tk = _tk()
     q = _weight(32, 64)
-    with pytest.raises(ValueError, match="columns"):
-        tk.nvfp4_matmul_fwd(torch.randn(4, 32), *q)
     with pytest.raises(ValueError, match="weight_scale"):
-        tk.nvfp4_matmul_fwd(torch.randn(4, 64), q.weight_packed, q.weight_scale[:, :2], q.weight_global_scale)
+        tk.nvfp4_dequantize(q.weight_packed, q.weight_scale[:, :2], q.weight_global_scale)
+    with pytest.raises(ValueError, match="float32 tensor with one element"):
+        tk.nvfp4_dequantize(q.weight_packed, q.weight_scale, q.weight_global_scale.double())
 
 
 def test_backend_registered_and_cpu_keeps_reference():
@@ -130,14 +83,14 @@ QWEN_SHAPES = {  # (N, K) of Qwen2.5-7B layers
 @pytest.mark.parametrize("m,dtype", [(1, torch.bfloat16), (64, torch.bfloat16), (200, torch.bfloat16),
                                      (2048, torch.bfloat16), (7, torch.float16), (300, torch.float16)])
 def test_gpu_qwen_shapes(layer, m, dtype):
-    tk = _tk()
+    """Whatever path the dispatch picks (skinny or dequantize + cuBLAS), at every row bucket."""
     n, k = QWEN_SHAPES[layer]
     q = _weight(n, k, device="cuda", seed=m)
     w = F.dequantize(*q, dtype=torch.float32)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     dy = torch.randn(m, n, device="cuda", dtype=dtype)
-    y = tk.nvfp4_matmul_fwd(x, *q)
-    dx = tk.nvfp4_matmul_dgrad(dy, *q)
+    y = ops.nvfp4_linear_forward(x, *q)
+    dx = ops.nvfp4_linear_dgrad(dy, *q)
     assert torch.isfinite(y).all() and torch.isfinite(dx).all()
     tol = 6e-3 if dtype == torch.bfloat16 else 2e-3
     assert _rel(y, x.float() @ w.t()) < tol
@@ -163,17 +116,17 @@ def test_gpu_nvfp4linear_uses_triton_and_grads_match_reference(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_after_warmup():
-    tk = _tk()
+@pytest.mark.parametrize("m", [8, 300])
+def test_gpu_cuda_graph_capture_after_warmup(m):
     q = _weight(1024, 512, device="cuda")
-    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
-    tk.nvfp4_matmul_fwd(x, *q), tk.nvfp4_matmul_dgrad(dy, *q)  # autotune outside the capture
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    ops.nvfp4_linear_forward(x, *q), ops.nvfp4_linear_dgrad(dy, *q)  # path timing / compile outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = tk.nvfp4_matmul_fwd(x, *q)
-        dx = tk.nvfp4_matmul_dgrad(dy, *q)
+        y = ops.nvfp4_linear_forward(x, *q)
+        dx = ops.nvfp4_linear_dgrad(dy, *q)
     x.copy_(torch.randn_like(x))
     dy.copy_(torch.randn_like(dy))
     q.weight_global_scale.mul_(2.0)  # read through a pointer at replay time, not baked in
@@ -182,20 +135,6 @@ def test_gpu_cuda_graph_capture_after_warmup():
     w = F.dequantize(*q, dtype=torch.float32)
     assert _rel(y, x.float() @ w.t()) < 6e-3
     assert _rel(dx, dy.float() @ w) < 6e-3
-
-
-@pytest.mark.parametrize("mb", [16, 128, 4096])
-def test_prune_never_falls_back_to_an_oversized_tile_on_tiny_problems(mb):
-    """A tiny N/K prunes every tuned tile; the fallback must be the smallest footprint (the first, largest config
-    overflowed shared memory on an H200: 245760 > 232448 bytes)."""
-    from qerl_trl.nvfp4 import triton_kernels as tk
-
-    configs = tk._large_configs()
-    got = tk._prune(configs, {"M_BUCKET": mb, "N": 8, "K": 8})
-    assert len(got) == 1
-    smallest = min(tk._smem_footprint(c) for c in tk._prune(configs, {"M_BUCKET": mb, "N": 1 << 14, "K": 1 << 14}) + got)
-    assert tk._smem_footprint(got[0]) <= smallest
-    assert tk._smem_footprint(got[0]) < max(tk._smem_footprint(c) for c in configs)
 
 
 # ------------------------------------------------------------------------------------- the PTX dequantization
@@ -280,16 +219,13 @@ def test_dequant_ptx_recipe_is_exact_for_every_code_and_scale(is_bf16):
     e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     rng = np.random.default_rng(0)
     for scale in [2.0**-9, 0.001953125 * 3, 0.125, 1.0, 17.0, 240.0, 448.0]:
-        s16 = scale * 2.0**119 if is_bf16 else scale  # what _scale_16bit hands the PTX
+        s16 = scale * 2.0**119 if is_bf16 else scale  # the scale as the recipe takes it (bf16 pre-shifted)
         s_bits = int(torch.tensor(s16, dtype=torch.bfloat16 if is_bf16 else torch.float16).view(torch.int16)) & 0xFFFF
         for trial in range(20):
             codes = [(trial + j) % 16 for j in range(16)] if trial < 16 else list(rng.integers(0, 16, 16))
             w0 = sum(c << (4 * j) for j, c in enumerate(codes[:8]))
             w1 = sum(c << (4 * j) for j, c in enumerate(codes[8:]))
             out = _run_ptx(asm, {16: w0, 17: w1, 18: s_bits})
-            pairs = _run_ptx(tk._dequant_asm(is_bf16, pairs=True), {8: w0, 9: w1, 10: s_bits})
-            for j in range(8):  # the 32-bit variant (Gluon kernels): columns 2j, 2j+1 in one register
-                assert pairs[j] == out[2 * j] | out[2 * j + 1] << 16, (scale, j)
             for j, c in enumerate(codes):
                 want = (-1.0 if c & 8 else 1.0) * e2m1[c & 7] * scale * (2.0**-7 if is_bf16 else 2.0**-14)
                 fp = torch.bfloat16 if is_bf16 else torch.float16
@@ -310,43 +246,37 @@ def test_interp_dequantize_kernel_is_bit_identical_to_reference(dtype, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_dequantize_kernel_bit_identical_and_large_m_dispatch(dtype, monkeypatch):
+def test_gpu_dequantize_kernel_bit_identical_and_large_m_dispatch(dtype):
     tk = _tk()
-    monkeypatch.setenv("QERL_NVFP4_FUSED_MAX_M", str(ops.FUSED_CANDIDATE_MAX_M))  # fixed rule, no timing
     n, k = QWEN_SHAPES["qkv"]
     q = _weight(n, k, device="cuda", seed=11)
     w = F.dequantize(*q, dtype=dtype)
     assert torch.equal(tk.nvfp4_dequantize(*q, dtype=dtype), w)
-    m = ops.FUSED_CANDIDATE_MAX_M + 1  # beyond the fused kernels' range: Triton dequantize + cuBLAS, same numbers
+    m = 65  # beyond the skinny kernel: Triton dequantize + cuBLAS, the same numbers as the reference
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     dy = torch.randn(m, n, device="cuda", dtype=dtype)
     assert ops.active_backend_name(x, q.weight_packed) == "triton"
+    assert ops.triton_path("fwd", x, *q) == ops.triton_path("dgrad", dy, *q) == "dequant_mm"
     assert torch.equal(ops.nvfp4_linear_forward(x, *q), x @ w.t())
     assert torch.equal(ops.nvfp4_linear_dgrad(dy, *q), dy @ w)
-    assert ops.triton_path("fwd", x, *q) == ops.triton_path("dgrad", dy, *q) == "dequant_mm"
 
 
 @pytest.mark.gpu
-def test_gpu_small_m_path_is_timed_once_and_can_be_forced(monkeypatch):
-    tk = _tk()
+def test_gpu_small_m_path_is_timed_once_per_bucket():
     q = _weight(1024, 512, device="cuda", seed=5)
     x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
-    ops._PATHS.clear()
+    ops.clear_plans()
     first = ops.triton_path("fwd", x, *q)
-    assert first in ("skinny", "ws", "fused", "dequant_mm") and len(ops._PATHS) == 1
+    assert first in ("skinny", "dequant_mm") and len(ops._PATHS) == 1
     assert ops.triton_path("fwd", x[:9], *q) == first and len(ops._PATHS) == 1  # same M bucket: cached
     y = ops.nvfp4_linear_forward(x, *q)
     assert _rel(y, x.float() @ F.dequantize(*q, dtype=torch.float32).t()) < 6e-3
-    monkeypatch.setenv("QERL_NVFP4_FUSED_MAX_M", "0")
-    assert ops.triton_path("fwd", x, *q) == "dequant_mm"
-    monkeypatch.setenv("QERL_NVFP4_FUSED_MAX_M", "64")
-    assert ops.triton_path("fwd", x, *q) == "fused"
-    assert torch.equal(ops.nvfp4_linear_forward(x, *q), tk.nvfp4_matmul_fwd(x, *q))
+    assert ops.triton_path("dgrad", torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16), *q) == "dequant_mm"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_sum_splits_adds_the_partials_in_order_and_casts(dtype):
-    """The skinny kernels' split-K reduction: one fixed order, so a split matmul is deterministic."""
+    """The skinny kernel's split-K reduction: one fixed order, so a split matmul is deterministic."""
     tk = _tk()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)

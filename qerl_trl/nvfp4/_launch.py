@@ -11,8 +11,14 @@ What makes two calls share a compiled kernel is exactly what Triton specializes 
 whether its address is 16-byte aligned, each integer's value (we key on the value itself, which is stricter than
 Triton's ``== 1`` / ``% 16`` classes), and the constexprs and launch options, which the caller names with a
 cheap hashable ``config`` instead of having them hashed on every call. This is the only module that touches
-Triton internals (``JITFunction.params``, ``CompiledKernel.__getitem__``); anything it does not recognise, a
-launch hook (profilers) or the interpreter sends back through ``kernel[grid]``.
+Triton internals (``JITFunction.params``, ``CompiledKernel.__getitem__``, the hooks' serialization rule);
+anything it does not recognise, a launch hook (profilers) or the interpreter sends back through ``kernel[grid]``.
+
+Before a specialization first goes through Triton, its constexprs are checked to be JSON-serializable the way
+Triton serializes them for its JIT hooks (:func:`check_constexprs_serializable`). Any library in the process can
+install such a hook (vLLM's worker does after its warm-up), and Triton then serializes every later compile; a
+constexpr it cannot serialize fails there, deep inside someone else's engine. The check fails on the first call
+instead, on any machine, hook or not, naming the kernel and the constexpr.
 """
 
 from __future__ import annotations
@@ -42,6 +48,28 @@ def _hook_active(hook: Any) -> bool:
         return False
     calls = getattr(hook, "calls", None)
     return bool(calls) if calls is not None else True
+
+
+def check_constexprs_serializable(kernel_name: str, constexprs: dict[str, Any]) -> None:
+    """Raise a TypeError naming the constexpr if Triton could not JSON-serialize it for a JIT hook.
+
+    Triton 3.6 (``runtime/jit.py``: ``JITFunction._call_hook`` -> ``serialize_specialization_data``) turns dtypes
+    into strings and unwraps ``constexpr`` wrappers, then ``json.dumps`` every constexpr value, before calling any
+    ``jit_cache_hook`` / ``jit_post_compile_hook``; the same rule is applied here."""
+    import json
+
+    for name, value in constexprs.items():
+        kind = type(value).__name__
+        v = str(value) if kind == "dtype" else value.value if kind == "constexpr" else value
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"{kernel_name}: constexpr {name}={value!r} ({kind}) cannot be JSON-serialized, and Triton "
+                "serializes every constexpr for the JIT hooks other libraries install (vLLM's worker does). Pass "
+                "plain ints, floats, bools, strings or dtypes, and build layouts inside the kernel (see "
+                "gluon_kernels._skinny_layout)."
+            ) from e
 
 
 _KNOBS: list = []
@@ -81,6 +109,8 @@ class KernelLauncher:
             kernel, tail = hit
             kernel[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](*args, *tail)
             return
+        if hit is None:
+            check_constexprs_serializable(getattr(self.fn, "__name__", repr(self.fn)), constexprs)
         kernel = self.fn[tuple(grid)](*args, **constexprs, **(options or {}))
         tail = self._constexpr_tail(len(args), constexprs)
         if tail is not None and callable(getattr(kernel, "__getitem__", None)) and hasattr(kernel, "function"):

@@ -3,8 +3,10 @@
 ``NVFP4Linear`` calls :func:`nvfp4_linear_forward` (``y = x @ Ŵᵀ``) and :func:`nvfp4_linear_dgrad`
 (``dx = dy @ Ŵ``). The reference path works on any device; fast CUDA kernels (Triton, and Gluon on Hopper)
 register themselves with :func:`register_backend` and are picked when their ``supports`` predicate accepts the
-call.
-Set ``QERL_NVFP4_BACKEND=reference`` to force the reference path (debugging, A/B timing).
+call. On CUDA the Triton backend runs two paths: dequantize + cuBLAS (every training matmul), and the Gluon
+skinny forward for decode-sized rows where it is faster.
+Set ``QERL_NVFP4_BACKEND=reference`` to force the reference path (debugging, A/B timing), ``QERL_NVFP4_GLUON=0``
+to keep the Gluon kernel out.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ _BACKENDS: list[Backend] = []
 #: Everything a backend's ``supports`` and path choice look at is in the key, so each matmul costs one dict lookup
 #: instead of re-running every ``supports`` check and the path choice on each call.
 _PLANS: dict[tuple, MatmulFn] = {}
-_ENV_SWITCHES = ("QERL_NVFP4_BACKEND", "QERL_NVFP4_FUSED_MAX_M", "QERL_NVFP4_NO_DENSE_WEIGHT", "QERL_NVFP4_GLUON")
+_ENV_SWITCHES = ("QERL_NVFP4_BACKEND", "QERL_NVFP4_GLUON")
 
 
 def register_backend(backend: Backend) -> None:
@@ -112,59 +114,40 @@ def _triton_available() -> bool:
 
 
 _TRITON_OK: bool | None = None
-#: The Triton fused kernels are a candidate up to this many rows; above it they lose to every other path
-#: (2.5-4.2x cuBLAS at >= 2048 rows on an H200, benchmarks/results/train_matmul-h200.json).
-FUSED_CANDIDATE_MAX_M = 256
-#: Set to 1 to never materialize the dense Ŵ, not even transiently (the ``dequant_mm`` path writes one layer's
-#: 16-bit Ŵ to global memory and frees it after the matmul): only kernels that dequantize on chip are used.
-NO_DENSE_ENV = "QERL_NVFP4_NO_DENSE_WEIGHT"
+#: (pass, M bucket, weight shape, dtype, device) -> the path chosen for it.
 _PATHS: dict[tuple, str] = {}
 
 
-def _candidates(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> list[str]:
-    """Paths that can run this call, in order of preference when they cannot be timed (CUDA-graph capture):
-    ``skinny`` (Gluon, few rows), ``ws`` (Hopper Gluon kernels), ``fused`` (Triton kernels),
-    ``dequant_mm`` (Triton dequantize + cuBLAS)."""
+def _candidates(kind: str, a: torch.Tensor, packed: torch.Tensor) -> list[str]:
+    """Paths that can run this call, in order of preference when they cannot be timed (CUDA-graph capture).
+
+    Only paths that win on a product path are here (``benchmarks/results/train_matmul-h200.json``):
+    ``dequant_mm`` (Triton dequantize + cuBLAS) for every training matmul, and the Gluon ``skinny`` forward for
+    decode-sized rows (generation without vLLM)."""
     from . import gluon_kernels as gk
 
-    m = a.shape[0]
     out = []
-    if gk.skinny_supported(a, packed):
+    if kind == "fwd" and gk.skinny_supported(a, packed):
         out.append("skinny")
-    if gk.supported(a, packed, scale):
-        out.append("ws")
-    if m <= FUSED_CANDIDATE_MAX_M:
-        out.append("fused")
-    if os.environ.get(NO_DENSE_ENV, "0") != "1":
-        out.append("dequant_mm")
-    return out or ["fused"]  # no dense Ŵ allowed and no Hopper kernel: the Triton kernels take any M
+    out.append("dequant_mm")
+    return out
 
 
 def triton_path(kind: str, a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 global_scale: torch.Tensor) -> str:
-    """``"skinny"`` (Gluon kernels for <= 64 rows), ``"ws"`` (warp-specialized Gluon kernels, sm_90), ``"fused"``
-    (Triton kernels) or ``"dequant_mm"`` (Triton dequantize + cuBLAS) for this call. The first call per (pass,
-    M bucket, weight shape, dtype) times the candidates and keeps the fastest. ``QERL_NVFP4_FUSED_MAX_M=<rows>`` replaces the timing with a fixed
-    rule (Triton fused kernels up to that many rows, dequantize + cuBLAS above; reproducible numerics) and
-    ``QERL_NVFP4_NO_DENSE_WEIGHT=1`` drops ``dequant_mm``."""
-    m = a.shape[0]
-    forced = os.environ.get("QERL_NVFP4_FUSED_MAX_M")
-    if forced is not None:
-        return "fused" if m <= int(forced) else "dequant_mm"
+    """``"skinny"`` (Gluon forward for <= 64 rows) or ``"dequant_mm"`` (Triton dequantize + cuBLAS) for this call.
+    Where both can run, the first call per (pass, M bucket, weight shape, dtype) times them and keeps the
+    faster."""
     return _triton_decision(kind, a, packed, scale, global_scale)[0]
 
 
 def _triton_decision(kind, a, packed, scale, global_scale) -> tuple[str, bool]:
     """(path, final): final is False only inside a CUDA-graph capture before this bucket was timed."""
-    m = a.shape[0]
-    forced = os.environ.get("QERL_NVFP4_FUSED_MAX_M")
-    if forced is not None:
-        return ("fused" if m <= int(forced) else "dequant_mm"), True
     from .triton_kernels import m_bucket
 
-    key = (kind, m_bucket(m), tuple(packed.shape), a.dtype, a.device, os.environ.get(NO_DENSE_ENV, "0"))
+    key = (kind, m_bucket(a.shape[0]), tuple(packed.shape), a.dtype, a.device)
     if key not in _PATHS:
-        cands = _candidates(kind, a, packed, scale)
+        cands = _candidates(kind, a, packed)
         if len(cands) == 1:
             _PATHS[key] = cands[0]
         elif torch.cuda.is_current_stream_capturing():  # cannot time inside a CUDA graph capture: warm up first
@@ -175,7 +158,8 @@ def _triton_decision(kind, a, packed, scale, global_scale) -> tuple[str, bool]:
 
 
 def dequant_matmul(kind: str, a: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
-    """The large-M path: Triton dequantizes Ŵ in one pass, cuBLAS multiplies (``a @ Ŵᵀ`` or ``a @ Ŵ``)."""
+    """Triton dequantizes Ŵ in one pass, cuBLAS multiplies (``a @ Ŵᵀ`` or ``a @ Ŵ``); only one layer's Ŵ exists
+    at a time and it is freed after the matmul."""
     from .triton_kernels import nvfp4_dequantize
 
     w = nvfp4_dequantize(packed, scale, global_scale, dtype=a.dtype)
@@ -190,24 +174,18 @@ def _path_fn(kind: str, path: str) -> MatmulFn:
     fn = _PATH_FNS.get((kind, path))
     if fn is None:
         from . import gluon_kernels as gk
-        from . import triton_kernels as tk
 
         fn = {
             ("fwd", "dequant_mm"): lambda a, p, s, g: dequant_matmul("fwd", a, p, s, g),
             ("dgrad", "dequant_mm"): lambda a, p, s, g: dequant_matmul("dgrad", a, p, s, g),
             ("fwd", "skinny"): gk.nvfp4_matmul_fwd_skinny,
-            ("dgrad", "skinny"): gk.nvfp4_matmul_dgrad_skinny,
-            ("fwd", "ws"): gk.nvfp4_matmul_fwd_ws,
-            ("dgrad", "ws"): gk.nvfp4_matmul_dgrad_ws,
-            ("fwd", "fused"): tk.nvfp4_matmul_fwd,
-            ("dgrad", "fused"): tk.nvfp4_matmul_dgrad,
         }[(kind, path)]
         _PATH_FNS[(kind, path)] = fn
     return fn
 
 
 #: Up to this many rows the candidates are timed replayed from a CUDA graph: such matmuls take ~10 µs, so eager
-#: timing mostly measures Python launch cost, and decode-sized matmuls run from CUDA graphs in the rollout engine.
+#: timing mostly measures Python launch cost.
 GRAPH_TIMED_MAX_M = 64
 
 
@@ -220,13 +198,19 @@ def _time_paths(kind, a, packed, scale, gs, candidates) -> str:
             fn = _path_fn(kind, path)
             call = lambda: fn(a, packed, scale, gs)  # noqa: E731
             if a.shape[0] <= GRAPH_TIMED_MAX_M:
-                call()  # autotune / compile outside the capture
+                call()  # compile outside the capture
                 t = triton.testing.do_bench_cudagraph(call, rep=20)
             else:
                 t = triton.testing.do_bench(call, warmup=10, rep=40)
             if t < best_t:
                 best, best_t = path, t
     return best
+
+
+def clear_plans() -> None:
+    """Forget every dispatch decision (tests, and after changing the environment switches)."""
+    _PLANS.clear()
+    _PATHS.clear()
 
 
 def _triton_supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
