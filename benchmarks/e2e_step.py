@@ -1,0 +1,525 @@
+"""The GRPO step end to end: TRL BF16 LoRA vs QeRL vs TRL QLoRA, vLLM colocate, on Qwen2.5-shaped models.
+
+    python benchmarks/e2e_step.py --sizes 7b --out-dir /tmp/e2e            # every row of the 7B matrix
+    python benchmarks/e2e_step.py --sizes 7b --arms qerl --only 8x8-512-sleep
+    python benchmarks/e2e_step.py --merge A.jsonl B.jsonl --out-dir benchmarks/results   # -> e2e_step-<gpu>.json
+
+Arms, each a user's real TRL run (random weights, so no Hub is needed; every completion runs to the length limit
+because a random model almost never samples EOS, so every arm does the same work):
+
+* ``trl_bf16``: TRL's ``GRPOTrainer``, BF16 base + PEFT LoRA, vLLM colocate, TRL's own merged weight sync (sleep
+  mode: TRL's level 2);
+* ``qerl``: ``QeRLGRPOTrainer`` on an NVFP4A16 checkpoint, AQN on, vLLM colocate with the LoRA served as an
+  adapter (sleep mode: level 1);
+* ``trl_qlora``: TRL's ``GRPOTrainer`` with a bitsandbytes NF4 base (QLoRA, the paper's other baseline). TRL 1.16
+  builds its colocated engine with vLLM's in-flight bitsandbytes quantization and syncs by merging the LoRA into
+  the NF4 base; ``qlora_generation`` rows with ``hf`` generate with the training model instead (``use_vllm=False``).
+
+LoRA r32 (alpha 64) on every linear, gradient checkpointing, bf16, 128-token prompts, AdamW, ``max_steps`` steps
+of one generation round each (``per_device_train_batch_size`` completions per micro-batch, gradient accumulation
+over the round). Each row runs in its own process (a fresh CUDA context and vLLM engine) and reports the median of
+the steps after the first: ``step_s`` (optimizer step to optimizer step, CUDA-synchronized), ``rollout_s`` (vLLM
+``generate``, or HF generation), ``sync_s`` (the trainer's weight/adapter push into vLLM), ``train_s`` (the rest:
+log-probs, loss, backward, optimizer), ``peak_gib`` (device memory in use, sampled every 20 ms by NVML during the
+training steps: vLLM's pools included) and ``torch_peak_gib``. An OOM or a failure is a row with its ``status``.
+
+Checkpoints are written once per machine under ``--work``: BF16 with ``from_config`` on the GPU (7B, 14B), NVFP4A16
+with random packed weights directly (every size; a 32B BF16 checkpoint, 65 GB, does not fit a 64 GiB disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+ARMS = ("trl_bf16", "qerl", "trl_qlora")
+SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b"}
+#: vLLM's share of the GPU, the same for every arm of a size (what a BF16 engine needs for weights + KV cache).
+GPU_MEMORY_UTILIZATION = {"1.5b": 0.3, "7b": 0.35, "14b": 0.55, "32b": 0.45}
+PROMPT_TOKENS = 128
+LORA_R, LORA_ALPHA = 32, 64
+#: completions per micro-batch (fwd/bwd): ~5k tokens each
+MICRO_BATCH = {512: 8, 2048: 2}
+#: a 32B BF16 checkpoint does not fit the GPU machine's disk, and its weights alone (61 GiB) plus vLLM's copy do
+#: not fit 80 GB: those rows are recorded, not run
+BF16_MAX_SIZE = ("1.5b", "7b", "14b")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    size: str
+    arm: str
+    prompts: int
+    generations: int
+    completion_len: int
+    sleep: bool
+    generation: str = "vllm"  # "vllm" (colocate) or "hf" (the training model's generate)
+
+    @property
+    def name(self) -> str:
+        return (f"{self.size}/{self.arm}/{self.prompts}x{self.generations}-{self.completion_len}"
+                f"-{'sleep' if self.sleep else 'nosleep'}{'' if self.generation == 'vllm' else '-hf'}")
+
+    @property
+    def short(self) -> str:
+        return f"{self.prompts}x{self.generations}-{self.completion_len}-{'sleep' if self.sleep else 'nosleep'}"
+
+
+def default_matrix() -> list[RowSpec]:
+    """The committed matrix, in the order it is run (most informative first: device time is finite). 7B: 2x8 and
+    8x8 completions, 512 and 2048 tokens, sleep mode on and off; 14B and 32B: sleep on, which a colocated engine
+    beside a 14B/32B policy needs on 80 GB. QLoRA also with HF generation, in case TRL's vLLM QLoRA path fails."""
+    settings = [
+        ("7b", 2, 8, 512, False),
+        ("7b", 8, 8, 512, True),
+        ("32b", 1, 8, 2048, True),
+        ("7b", 8, 8, 512, False),
+        ("14b", 8, 8, 512, True),
+        ("7b", 2, 8, 2048, True),
+    ]
+    rows = [RowSpec(size, arm, p, g, length, sleep) for size, p, g, length, sleep in settings for arm in ARMS]
+    rows.append(RowSpec("7b", "trl_qlora", 2, 8, 512, False, "hf"))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def checkpoint_paths(work: str, size: str) -> dict[str, str]:
+    return {"bf16": os.path.join(work, f"{size}-bf16"), "nvfp4": os.path.join(work, f"{size}-nvfp4")}
+
+
+def prepare_checkpoints(work: str, size: str, need_bf16: bool) -> dict[str, float]:
+    """Write this size's checkpoints (skipped when present) after deleting other sizes' (disk)."""
+    import torch
+
+    from benchmarks import random_models as rm
+
+    for other in SIZES:
+        if other != size:
+            for p in checkpoint_paths(work, other).values():
+                shutil.rmtree(p, ignore_errors=True)
+    paths = checkpoint_paths(work, size)
+    out = {}
+    t0 = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rm.write_nvfp4_checkpoint(paths["nvfp4"], SIZES[size], device=device, seed=0)
+    out["nvfp4_write_s"] = round(time.perf_counter() - t0, 1)
+    if need_bf16:
+        t0 = time.perf_counter()
+        rm.write_bf16_checkpoint(paths["bf16"], SIZES[size], device=device, seed=0)
+        out["bf16_write_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ one row (child)
+class _PeakMemory:
+    """Device memory in use (NVML, every 20 ms, the whole GPU: vLLM's pools included) between start() and stop()."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _used(self) -> int:
+        import torch
+
+        if self._nvml is not None:
+            return self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    def start(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML: torch's view of the device
+            self._nvml = None
+        self.peak = self._used()
+
+        def loop():
+            while not self._stop.wait(self.interval):
+                self.peak = max(self.peak, self._used())
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> float:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._thread is not None:
+            self.peak = max(self.peak, self._used())
+        return self.peak / 2**30
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Timed:
+    """Wraps a bound method: CUDA-synchronized wall time of each call, accumulated until ``take()``."""
+
+    def __init__(self, obj: Any, name: str):
+        self.total = 0.0
+        original = getattr(obj, name)
+
+        def wrapped(*a, **kw):
+            _sync()
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                _sync()
+                self.total += time.perf_counter() - t0
+
+        setattr(obj, name, wrapped)
+
+    def take(self) -> float:
+        t, self.total = self.total, 0.0
+        return t
+
+
+def _reward(completions, **kwargs):
+    """Any reward with variance across a group (the content of random-model text does not matter)."""
+    import zlib
+
+    texts = [c if isinstance(c, str) else str(c) for c in completions]
+    return [float(zlib.crc32(t.encode()) % 1000) / 1000.0 for t in texts]
+
+
+def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0):
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from benchmarks import random_models as rm
+
+    paths = checkpoint_paths(work, spec.size)
+    n_completions = spec.prompts * spec.generations
+    micro = min(MICRO_BATCH.get(spec.completion_len, 8), n_completions)
+    if n_completions % micro:
+        raise ValueError(f"{spec.name}: {n_completions} completions do not split into micro-batches of {micro}")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(paths["nvfp4"] if spec.arm == "qerl" else paths["bf16"])
+    prompts = rm.make_prompts(spec.prompts * (steps + 2), PROMPT_TOKENS, seed=seed, tokenizer=tok)
+    dataset = Dataset.from_dict({"prompt": prompts})
+    common = dict(
+        output_dir=os.path.join(work, "out", spec.name.replace("/", "_")),
+        report_to="none",
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        seed=seed,
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),  # CPU: the smoke test, with generation="hf"
+        gradient_checkpointing=True,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=n_completions // micro,
+        num_generations=spec.generations,
+        max_completion_length=spec.completion_len,
+        use_vllm=spec.generation == "vllm",
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=GPU_MEMORY_UTILIZATION[spec.size],
+        vllm_max_model_length=PROMPT_TOKENS + spec.completion_len + 16,
+        vllm_enable_sleep_mode=spec.sleep,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    if spec.arm == "qerl":
+        from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
+
+        args = QeRLGRPOConfig(**common, lora_r=LORA_R, lora_alpha=LORA_ALPHA, aqn=True,
+                              nvfp4_cache_dir=os.path.join(work, "qerl-cache"))
+        return QeRLGRPOTrainer(model=paths["nvfp4"], reward_funcs=_reward, args=args, train_dataset=dataset,
+                               processing_class=tok)
+    from trl import GRPOConfig, GRPOTrainer
+
+    quant = None
+    if spec.arm == "trl_qlora":
+        from transformers import BitsAndBytesConfig
+
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    args = GRPOConfig(**common, model_init_kwargs={"dtype": "bfloat16"})
+    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear", bias="none",
+                      task_type="CAUSAL_LM")
+    kwargs = dict(quantization_config=quant) if quant is not None else {}
+    return GRPOTrainer(model=paths["bf16"], reward_funcs=_reward, args=args, train_dataset=dataset,
+                       processing_class=tok, peft_config=lora, **kwargs)
+
+
+def _classify(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    low = text.lower()
+    if "out of memory" in low or "outofmemory" in low or "no available memory for the cache blocks" in low \
+            or "insufficient memory" in low or "cuda_error_out_of_memory" in low:
+        return "oom: " + text[:400]
+    return "failed: " + text[:400]
+
+
+def run_row(spec: RowSpec, work: str, steps: int) -> dict:
+    """Build the arm's trainer, train ``steps`` steps, return the row (in this process)."""
+    import torch
+    from transformers import TrainerCallback
+
+    row: dict[str, Any] = dict(size=spec.size, arm=spec.arm, prompts=spec.prompts, generations=spec.generations,
+                               completion_len=spec.completion_len, sleep=spec.sleep, generation=spec.generation,
+                               prompt_len=PROMPT_TOKENS, lora_r=LORA_R, steps=steps,
+                               vllm_gpu_memory_utilization=GPU_MEMORY_UTILIZATION[spec.size])
+    if spec.arm != "qerl" and spec.size not in BF16_MAX_SIZE:
+        why = ("and TRL colocate would hold the BF16 policy (61 GiB) plus vLLM's BF16 copy: more than 80 GB"
+               if spec.arm == "trl_bf16" else "and both TRL's bitsandbytes load and vLLM's in-flight bitsandbytes "
+               "quantization read it")
+        row["status"] = f"not_run: a 32B BF16 checkpoint (65 GB) does not fit the GPU machine's 64 GiB disk, {why}"
+        return row
+    t0 = time.perf_counter()
+    mem = _PeakMemory()
+    try:
+        trainer = build_trainer(spec, work, steps)
+        row["init_s"] = round(time.perf_counter() - t0, 1)
+        gen = getattr(trainer, "vllm_generation", None) if spec.generation == "vllm" else None
+        if gen is not None:
+            sync_t, roll_t = _Timed(gen, "sync_weights"), _Timed(gen, "generate")
+        else:
+            sync_t, roll_t = None, _Timed(trainer, "_generate_single_turn")
+        per_step: list[dict] = []
+
+        class StepTimer(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                _sync()
+                self.t = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                _sync()
+                per_step.append(dict(step_s=time.perf_counter() - self.t, rollout_s=roll_t.take(),
+                                     sync_s=sync_t.take() if sync_t else 0.0))
+
+        trainer.add_callback(StepTimer())
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        mem.start()
+        t1 = time.perf_counter()
+        trainer.train()
+        row["train_wall_s"] = round(time.perf_counter() - t1, 1)
+        row["peak_gib"] = round(mem.stop(), 2)
+        if torch.cuda.is_available():
+            row["torch_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    except BaseException as e:  # noqa: BLE001 - every failure is a row
+        mem.stop()
+        row["status"] = _classify(e)
+        row["traceback"] = traceback.format_exc()[-3000:]
+        return row
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    for s in per_step:
+        s["train_s"] = s["step_s"] - s["rollout_s"] - s["sync_s"]
+    measured = per_step[1:] if len(per_step) > 1 else per_step
+    for key in ("step_s", "rollout_s", "sync_s", "train_s"):
+        row[key] = round(statistics.median(s[key] for s in measured), 3)
+        row[key + "_per_step"] = [round(s[key], 3) for s in per_step]
+    lengths = [h.get("completions/mean_length") for h in logs]
+    row["mean_completion_len_per_step"] = lengths
+    row["losses"] = [h.get("loss") for h in logs]
+    row["tokens_per_step"] = spec.prompts * spec.generations * spec.completion_len
+    row["rollout_tokens_per_s"] = round(row["tokens_per_step"] / row["rollout_s"], 1) if row["rollout_s"] else None
+    ok_len = all(x is not None and abs(x - spec.completion_len) <= 0.02 * spec.completion_len for x in lengths)
+    finite = all(x is not None and math.isfinite(x) for x in row["losses"])
+    row["status"] = "ok" if (ok_len and finite and len(per_step) == steps) else (
+        f"check_failed: completion lengths {lengths} (want {spec.completion_len}), losses finite={finite}, "
+        f"{len(per_step)} of {steps} steps timed")
+    return row
+
+
+# ------------------------------------------------------------------------------------------ driver (parent)
+def _child(spec: RowSpec, work: str, steps: int, out: str) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    row = run_row(spec, work, steps)
+    with open(out, "w") as f:
+        json.dump(row, f, default=str)
+
+
+def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float) -> list[dict]:
+    rows = []
+    by_size: dict[str, list[RowSpec]] = {}
+    for s in specs:
+        by_size.setdefault(s.size, []).append(s)
+    for size, group in by_size.items():
+        need_bf16 = size in BF16_MAX_SIZE and any(s.arm != "qerl" for s in group)
+        t0 = time.perf_counter()
+        prep = subprocess.run([sys.executable, __file__, "--prepare", size, "--work", work]
+                              + (["--with-bf16"] if need_bf16 else []), capture_output=True, text=True)
+        print(f"[{size}] checkpoints ready in {time.perf_counter() - t0:.0f} s (rc {prep.returncode})", flush=True)
+        if prep.returncode:
+            print(prep.stdout[-2000:], prep.stderr[-4000:], flush=True)
+        for spec in group:
+            out = os.path.join(work, "row.json")
+            if os.path.exists(out):
+                os.remove(out)
+            t0 = time.perf_counter()
+            if prep.returncode:
+                row = dict(dataclasses.asdict(spec), status=f"failed: checkpoint preparation: {prep.stderr[-400:]}")
+            else:
+                cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(spec)), "--work", work,
+                       "--steps", str(steps), "--row-out", out]
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+                    rc, log = proc.returncode, proc.stdout[-3000:] + proc.stderr[-6000:]
+                except subprocess.TimeoutExpired as e:
+                    rc, log = "timeout", str(e.stdout or "")[-2000:] + str(e.stderr or "")[-4000:]
+                if os.path.exists(out):
+                    with open(out) as f:
+                        row = json.load(f)
+                else:
+                    status = f"timeout after {timeout:.0f} s" if rc == "timeout" else f"failed: exit code {rc}"
+                    if "out of memory" in log.lower():
+                        status = "oom: " + status
+                    row = dict(dataclasses.asdict(spec), status=status, log_tail=log[-2500:])
+            row["row_wall_s"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+            brief = {k: row.get(k) for k in ("step_s", "rollout_s", "sync_s", "train_s", "peak_gib", "init_s",
+                                             "row_wall_s")}
+            print(f"{spec.name}: {row['status'][:160]} {brief}", flush=True)
+            if row["status"] != "ok" and "traceback" in row:
+                print(row["traceback"][-2500:], flush=True)
+    return rows
+
+
+def write_meta(jsonl: str) -> None:
+    """First line of a run's JSONL: where and with what it ran (``--merge`` builds the result envelope from it)."""
+    from importlib import metadata
+
+    from benchmarks._common import gpu_tag, result_envelope
+
+    env = result_envelope("e2e_step", [], "python " + " ".join(sys.argv))
+    for pkg in ("bitsandbytes", "compressed-tensors", "datasets", "accelerate"):
+        try:
+            env["versions"][pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    meta = {k: env[k] for k in ("gpu", "versions", "commit", "command")}
+    meta["gpu_tag"] = gpu_tag()
+    with open(jsonl, "a") as f:
+        f.write(json.dumps({"_meta": meta}) + "\n")
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """``speedup_vs_trl_bf16``: TRL BF16 LoRA's step time over this row's, same size and setting."""
+    base = {(r["size"], r["prompts"], r["generations"], r["completion_len"], r["sleep"]): r["step_s"]
+            for r in rows if r["arm"] == "trl_bf16" and r.get("status") == "ok"}
+    for r in rows:
+        b = base.get((r["size"], r["prompts"], r["generations"], r["completion_len"], r["sleep"]))
+        r["speedup_vs_trl_bf16"] = round(b / r["step_s"], 3) if b and r.get("status") == "ok" else None
+
+
+def select(specs: list[RowSpec], sizes, arms, only) -> list[RowSpec]:
+    return [s for s in specs if (not sizes or s.size in sizes) and (not arms or s.arm in arms)
+            and (not only or s.short in only or s.name in only)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="*", choices=list(SIZES), help="sizes of the default matrix to run")
+    ap.add_argument("--arms", nargs="*", choices=list(ARMS))
+    ap.add_argument("--only", nargs="*", help="settings to run, e.g. 8x8-512-sleep or a full row name")
+    ap.add_argument("--steps", type=int, default=5, help="steps per row; the median is over all but the first")
+    ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints and trainer outputs")
+    ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
+    ap.add_argument("--jsonl", default=None, help="append each row here as it finishes (default: <out-dir>/e2e_step-rows.jsonl)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per row before it is recorded as a timeout")
+    ap.add_argument("--list", action="store_true", help="print the matrix and exit")
+    ap.add_argument("--merge", nargs="*", help="JSONL files of rows to merge into <out-dir>/e2e_step-<gpu>.json")
+    ap.add_argument("--gpu-tag", default=None, help="with --merge: the GPU tag of the rows (default: this machine's)")
+    ap.add_argument("--command", default=None, help="with --merge: the command line that produced the rows")
+    ap.add_argument("--commit", default=None, help="with --merge: the commit the rows were measured at")
+    # internal
+    ap.add_argument("--prepare", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--with-bf16", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--row-out", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.prepare:
+        print(json.dumps(prepare_checkpoints(a.work, a.prepare, a.with_bf16)))
+        return
+    if a.child:
+        _child(RowSpec(**json.loads(a.child)), a.work, a.steps, a.row_out)
+        return
+    specs = select(default_matrix(), a.sizes, a.arms, a.only)
+    if a.list:
+        for s in specs:
+            print(s.name)
+        return
+    if a.merge is not None:
+        merge(a.merge, a.out_dir, a.gpu_tag, a.command, a.commit)
+        return
+    os.makedirs(a.out_dir, exist_ok=True)
+    os.makedirs(a.work, exist_ok=True)
+    jsonl = a.jsonl or os.path.join(a.out_dir, "e2e_step-rows.jsonl")
+    write_meta(jsonl)
+    rows = run_matrix(specs, a.work, a.steps, jsonl, a.timeout)
+    add_speedups(rows)
+    from benchmarks._common import write_result
+
+    print("wrote", write_result("e2e_step", rows, a.out_dir))
+
+
+def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | None, commit: str | None) -> str:
+    """Rows from several runs (device calls) -> one result file; a later row replaces an earlier one of the same
+    name. Rows are ordered as in the default matrix."""
+    from benchmarks._common import result_envelope
+
+    latest: dict[str, dict] = {}
+    meta: dict[str, Any] = {}
+    for path in files:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    if "_meta" in r:
+                        meta.update(r["_meta"])
+                        continue
+                    spec = RowSpec(**{k: r[k] for k in ("size", "arm", "prompts", "generations", "completion_len",
+                                                         "sleep", "generation")})
+                    latest[spec.name] = r
+    order = {s.name: i for i, s in enumerate(default_matrix())}
+    rows = sorted(latest.values(), key=lambda r: order.get(RowSpec(**{k: r[k] for k in (
+        "size", "arm", "prompts", "generations", "completion_len", "sleep", "generation")}).name, 10**6))
+    add_speedups(rows)
+    env = result_envelope("e2e_step", rows, command or meta.get("command") or "python " + " ".join(sys.argv))
+    env["gpu"] = meta.get("gpu", env["gpu"])
+    env["versions"] = meta.get("versions", env["versions"])
+    env["commit"] = commit or meta.get("commit", env["commit"])
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"e2e_step-{gpu_tag or meta.get('gpu_tag') or 'unknown'}.json")
+    with open(path, "w") as f:
+        json.dump(env, f, indent=1, default=str)
+    print("wrote", path, len(rows), "rows")
+    return path
+
+
+if __name__ == "__main__":
+    main()

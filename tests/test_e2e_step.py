@@ -1,0 +1,86 @@
+"""CPU smoke run of ``benchmarks/e2e_step.py``: both kinds of arm train on a tiny Qwen2-shaped random model with
+the training model's own generation, rows carry every field, failures become rows, and runs merge into one result
+file. The real numbers come from the GPU machine (``benchmarks/results/e2e_step-h100.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks import e2e_step as e2e  # noqa: E402
+
+ROW_KEYS = {"size", "arm", "prompts", "generations", "completion_len", "sleep", "step_s", "rollout_s", "sync_s",
+            "train_s", "status"}
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    from benchmarks import random_models as rm
+
+    cfg = rm.qwen25_config("qwen2.5-1.5b", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    monkeypatch.setitem(e2e.SIZES, "tiny", cfg)
+    monkeypatch.setitem(e2e.GPU_MEMORY_UTILIZATION, "tiny", 0.3)
+    monkeypatch.setattr(e2e, "BF16_MAX_SIZE", (*e2e.BF16_MAX_SIZE, "tiny"))
+    monkeypatch.setattr(e2e, "PROMPT_TOKENS", 12)
+    return "tiny"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["qerl", "trl_bf16"])
+def test_an_arm_trains_and_reports_a_full_row(tiny, arm, tmp_path):
+    work = str(tmp_path)
+    e2e.prepare_checkpoints(work, tiny, need_bf16=arm != "qerl")
+    spec = e2e.RowSpec(tiny, arm, prompts=2, generations=4, completion_len=6, sleep=False, generation="hf")
+    row = e2e.run_row(spec, work, steps=3)
+    assert ROW_KEYS <= set(row), row
+    # a random model rarely samples EOS; when it does, the equal-work check says so instead of passing
+    assert row["status"] == "ok" or row["status"].startswith("check_failed: completion lengths"), row
+    assert len(row["step_s_per_step"]) == 3 and row["step_s"] > 0 and row["rollout_s"] > 0
+    assert row["sync_s"] == 0.0  # no vLLM: nothing to sync
+    assert abs(row["step_s"] - (row["rollout_s"] + row["sync_s"] + row["train_s"])) < 1e-2
+    assert all(x is not None for x in row["losses"]) and row["tokens_per_step"] == 2 * 4 * 6
+
+
+def test_32b_bf16_rows_are_recorded_not_run(tmp_path):
+    row = e2e.run_row(e2e.RowSpec("32b", "trl_bf16", 1, 8, 2048, True), str(tmp_path), steps=5)
+    assert row["status"].startswith("not_run: a 32B BF16 checkpoint")
+
+
+def test_failures_are_classified():
+    assert e2e._classify(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")).startswith("oom: ")
+    assert e2e._classify(ValueError("No available memory for the cache blocks. Try increasing "
+                                    "`gpu_memory_utilization`")).startswith("oom: ")
+    assert e2e._classify(KeyError("x")).startswith("failed: KeyError")
+
+
+def test_matrix_names_are_unique_and_selectable():
+    names = [s.name for s in e2e.default_matrix()]
+    assert len(names) == len(set(names))
+    assert {s.arm for s in e2e.default_matrix()} == set(e2e.ARMS)
+    picked = e2e.select(e2e.default_matrix(), ["7b"], ["qerl"], ["8x8-512-sleep"])
+    assert [s.name for s in picked] == ["7b/qerl/8x8-512-sleep"]
+
+
+def test_merge_keeps_the_latest_row_orders_by_matrix_and_adds_speedups(tmp_path):
+    meta = {"_meta": {"gpu": "NVIDIA H100 80GB HBM3", "gpu_tag": "h100", "versions": {"vllm": "0.24.0"},
+                      "commit": "abc", "command": "python benchmarks/e2e_step.py --sizes 7b"}}
+    base = dict(size="7b", prompts=2, generations=8, completion_len=512, sleep=False, generation="vllm")
+    a = tmp_path / "a.jsonl"
+    b = tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps(x) for x in [
+        meta, dict(base, arm="qerl", status="failed: boom"), dict(base, arm="trl_bf16", status="ok", step_s=6.0)]))
+    b.write_text("\n".join(json.dumps(x) for x in [meta, dict(base, arm="qerl", status="ok", step_s=4.0)]))
+    path = e2e.merge([str(a), str(b)], str(tmp_path / "out"), None, None, None)
+    env = json.loads(open(path).read())
+    assert path.endswith("e2e_step-h100.json")
+    assert set(env) == {"benchmark", "gpu", "versions", "commit", "command", "rows"}
+    assert env["gpu"] == "NVIDIA H100 80GB HBM3" and env["commit"] == "abc"
+    rows = env["rows"]
+    assert [r["arm"] for r in rows] == ["trl_bf16", "qerl"]
+    assert rows[1]["status"] == "ok" and rows[1]["speedup_vs_trl_bf16"] == 1.5
