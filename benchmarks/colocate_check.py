@@ -86,7 +86,11 @@ def lora_logprob_check(trainer, perturb: float = 5e-2, n_tokens: int = 32, seed:
             if "lora_B" in n:
                 p.add_((torch.randn(p.shape, generator=g) * perturb).to(p.device, p.dtype))
     gen.pending_norms = trainer.aqn.clean_weights(model) if trainer.aqn is not None else None
-    gen.sync_weights()
+    gen.sync_weights()  # wakes the weights if TRL's last generate() put the engine to sleep
+    if gen.enable_sleep_mode:
+        # In sleep mode TRL's generate() wakes the KV cache itself, and sleeps again after; outside it, the KV cache
+        # of a trained engine is still asleep, and a generate() on it never returns (hung the 1.5B test at 408025e).
+        llm.wake_up(tags=["kv_cache"])
     tok = trainer.processing_class
     if getattr(tok, "chat_template", None):
         text = tok.apply_chat_template([{"role": "user", "content": "Write one sentence about the sea."}],
