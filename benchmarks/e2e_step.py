@@ -279,6 +279,16 @@ def _classify(exc: BaseException) -> str:
     return "failed: " + text[:400]
 
 
+def unrunnable(spec: RowSpec) -> str | None:
+    """The ``not_run`` status of a row this machine cannot run by design (32B BF16/QLoRA), else None."""
+    if spec.arm == "qerl" or spec.size in BF16_MAX_SIZE:
+        return None
+    why = ("and TRL colocate would hold the BF16 policy (61 GiB) plus vLLM's BF16 copy: more than 80 GB"
+           if spec.arm == "trl_bf16" else "and both TRL's bitsandbytes load and vLLM's in-flight bitsandbytes "
+           "quantization read it")
+    return f"not_run: a 32B BF16 checkpoint (65 GB) does not fit the GPU machine's 64 GiB disk, {why}"
+
+
 def run_row(spec: RowSpec, work: str, steps: int) -> dict:
     """Build the arm's trainer, train ``steps`` steps, return the row (in this process)."""
     import torch
@@ -288,11 +298,8 @@ def run_row(spec: RowSpec, work: str, steps: int) -> dict:
                                completion_len=spec.completion_len, sleep=spec.sleep, generation=spec.generation,
                                prompt_len=PROMPT_TOKENS, lora_r=LORA_R, steps=steps,
                                vllm_gpu_memory_utilization=GPU_MEMORY_UTILIZATION[spec.size])
-    if spec.arm != "qerl" and spec.size not in BF16_MAX_SIZE:
-        why = ("and TRL colocate would hold the BF16 policy (61 GiB) plus vLLM's BF16 copy: more than 80 GB"
-               if spec.arm == "trl_bf16" else "and both TRL's bitsandbytes load and vLLM's in-flight bitsandbytes "
-               "quantization read it")
-        row["status"] = f"not_run: a 32B BF16 checkpoint (65 GB) does not fit the GPU machine's 64 GiB disk, {why}"
+    if unrunnable(spec):
+        row["status"] = unrunnable(spec)
         return row
     t0 = time.perf_counter()
     mem = _PeakMemory()
@@ -454,7 +461,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--merge", nargs="*", help="JSONL files of rows to merge into <out-dir>/e2e_step-<gpu>.json")
     ap.add_argument("--gpu-tag", default=None, help="with --merge: the GPU tag of the rows (default: this machine's)")
     ap.add_argument("--command", default=None, help="with --merge: the command line that produced the rows")
-    ap.add_argument("--commit", default=None, help="with --merge: the commit the rows were measured at")
+    ap.add_argument("--commit", default=None, help="with --merge: the commit the rows were measured at "
+                    "(default: the runs' commits)")
+    ap.add_argument("--row-status", nargs="*", default=[], metavar="NAME=STATUS",
+                    help="with --merge: the status of a matrix row that left no result (e.g. cut off by a time limit)")
+    ap.add_argument("--missing-status", default="not_run: not measured",
+                    help="with --merge: the status of the other matrix rows that have no result")
     # internal
     ap.add_argument("--prepare", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--with-bf16", action="store_true", help=argparse.SUPPRESS)
@@ -474,7 +486,11 @@ def main(argv: list[str] | None = None) -> None:
             print(s.name)
         return
     if a.merge is not None:
-        merge(a.merge, a.out_dir, a.gpu_tag, a.command, a.commit)
+        bad = [x for x in a.row_status if "=" not in x]
+        if bad:
+            ap.error(f"--row-status takes NAME=STATUS, got {bad}")
+        merge(a.merge, a.out_dir, a.gpu_tag, a.command, a.commit,
+              dict(x.split("=", 1) for x in a.row_status), a.missing_status)
         return
     os.makedirs(a.out_dir, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
@@ -487,32 +503,52 @@ def main(argv: list[str] | None = None) -> None:
     print("wrote", write_result("e2e_step", rows, a.out_dir))
 
 
-def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | None, commit: str | None) -> str:
-    """Rows from several runs (device calls) -> one result file; a later row replaces an earlier one of the same
-    name. Rows are ordered as in the default matrix."""
+def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | None, commit: str | None,
+          row_status: dict[str, str] | None = None, missing: str = "not_run: not measured") -> str:
+    """Rows from several runs (device calls) -> one result file with every row of the default matrix.
+
+    A later row replaces an earlier one of the same name; each row keeps the ``commit`` of the run it came from.
+    ``row_status`` ({row name: status}) records what happened to a row that left no JSONL line (a run cut off by
+    the device's time limit); other absent rows get their by-design ``not_run`` reason, or ``missing``. Rows are
+    ordered as in the default matrix."""
     from benchmarks._common import result_envelope
 
+    key = ("size", "arm", "prompts", "generations", "completion_len", "sleep", "generation")
     latest: dict[str, dict] = {}
     meta: dict[str, Any] = {}
+    commits: list[str] = []
     for path in files:
+        file_commit = None
         with open(path) as f:
             for line in f:
                 if line.strip():
                     r = json.loads(line)
                     if "_meta" in r:
                         meta.update(r["_meta"])
+                        file_commit = r["_meta"].get("commit")
                         continue
-                    spec = RowSpec(**{k: r[k] for k in ("size", "arm", "prompts", "generations", "completion_len",
-                                                         "sleep", "generation")})
-                    latest[spec.name] = r
+                    r.setdefault("commit", file_commit)
+                    if r["commit"] and r["commit"] not in commits:
+                        commits.append(r["commit"])
+                    latest[RowSpec(**{k: r[k] for k in key}).name] = r
+    for name, status in (row_status or {}).items():
+        if name in latest:
+            raise ValueError(f"--row-status {name}: that row was measured; its status comes from its run")
     order = {s.name: i for i, s in enumerate(default_matrix())}
-    rows = sorted(latest.values(), key=lambda r: order.get(RowSpec(**{k: r[k] for k in (
-        "size", "arm", "prompts", "generations", "completion_len", "sleep", "generation")}).name, 10**6))
+    unknown = sorted(set(row_status or {}) - set(order))
+    if unknown:
+        raise ValueError(f"--row-status names rows outside the matrix: {unknown}; see --list")
+    for spec in default_matrix():
+        if spec.name not in latest:
+            status = (row_status or {}).get(spec.name) or unrunnable(spec) or missing
+            latest[spec.name] = dict(dataclasses.asdict(spec), prompt_len=PROMPT_TOKENS, lora_r=LORA_R,
+                                     status=status)
+    rows = sorted(latest.values(), key=lambda r: order.get(RowSpec(**{k: r[k] for k in key}).name, 10**6))
     add_speedups(rows)
     env = result_envelope("e2e_step", rows, command or meta.get("command") or "python " + " ".join(sys.argv))
     env["gpu"] = meta.get("gpu", env["gpu"])
     env["versions"] = meta.get("versions", env["versions"])
-    env["commit"] = commit or meta.get("commit", env["commit"])
+    env["commit"] = commit or (", ".join(commits) if commits else meta.get("commit", env["commit"]))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"e2e_step-{gpu_tag or meta.get('gpu_tag') or 'unknown'}.json")
     with open(path, "w") as f:

@@ -67,7 +67,7 @@ def test_matrix_names_are_unique_and_selectable():
     assert [s.name for s in picked] == ["7b/qerl/8x8-512-sleep"]
 
 
-def test_merge_keeps_the_latest_row_orders_by_matrix_and_adds_speedups(tmp_path):
+def test_merge_keeps_the_latest_row_fills_the_matrix_and_adds_speedups(tmp_path):
     meta = {"_meta": {"gpu": "NVIDIA H100 80GB HBM3", "gpu_tag": "h100", "versions": {"vllm": "0.24.0"},
                       "commit": "abc", "command": "python benchmarks/e2e_step.py --sizes 7b"}}
     base = dict(size="7b", prompts=2, generations=8, completion_len=512, sleep=False, generation="vllm")
@@ -75,12 +75,26 @@ def test_merge_keeps_the_latest_row_orders_by_matrix_and_adds_speedups(tmp_path)
     b = tmp_path / "b.jsonl"
     a.write_text("\n".join(json.dumps(x) for x in [
         meta, dict(base, arm="qerl", status="failed: boom"), dict(base, arm="trl_bf16", status="ok", step_s=6.0)]))
-    b.write_text("\n".join(json.dumps(x) for x in [meta, dict(base, arm="qerl", status="ok", step_s=4.0)]))
-    path = e2e.merge([str(a), str(b)], str(tmp_path / "out"), None, None, None)
+    b.write_text("\n".join(json.dumps(x) for x in [
+        dict(meta, _meta=dict(meta["_meta"], commit="def")), dict(base, arm="qerl", status="ok", step_s=4.0)]))
+    cut = "7b/qerl/8x8-512-sleep"
+    path = e2e.merge([str(a), str(b)], str(tmp_path / "out"), None, None, None,
+                     {cut: "not_run: cut off by the device's time limit"})
     env = json.loads(open(path).read())
     assert path.endswith("e2e_step-h100.json")
     assert set(env) == {"benchmark", "gpu", "versions", "commit", "command", "rows"}
-    assert env["gpu"] == "NVIDIA H100 80GB HBM3" and env["commit"] == "abc"
-    rows = env["rows"]
-    assert [r["arm"] for r in rows] == ["trl_bf16", "qerl"]
-    assert rows[1]["status"] == "ok" and rows[1]["speedup_vs_trl_bf16"] == 1.5
+    assert env["gpu"] == "NVIDIA H100 80GB HBM3" and env["commit"] == "abc, def"
+    rows = {e2e.RowSpec(**{k: r[k] for k in ("size", "arm", "prompts", "generations", "completion_len", "sleep",
+                                             "generation")}).name: r for r in env["rows"]}
+    # every matrix row is there, in matrix order, whatever ran
+    assert [r for r in rows] == [s.name for s in e2e.default_matrix()]
+    q, t = rows["7b/qerl/2x8-512-nosleep"], rows["7b/trl_bf16/2x8-512-nosleep"]
+    assert q["status"] == "ok" and q["speedup_vs_trl_bf16"] == 1.5 and q["commit"] == "def"
+    assert t["commit"] == "abc"
+    assert rows[cut]["status"].startswith("not_run: cut off")
+    assert rows["32b/trl_bf16/1x8-2048-sleep"]["status"].startswith("not_run: a 32B BF16 checkpoint")
+    assert rows["14b/qerl/8x8-512-sleep"]["status"] == "not_run: not measured"
+    with pytest.raises(ValueError, match="was measured"):
+        e2e.merge([str(a), str(b)], str(tmp_path / "o2"), None, None, None, {"7b/qerl/2x8-512-nosleep": "x"})
+    with pytest.raises(ValueError, match="outside the matrix"):
+        e2e.merge([str(a)], str(tmp_path / "o3"), None, None, None, {"7b/qerl/9x9": "x"})
