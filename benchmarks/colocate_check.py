@@ -88,8 +88,8 @@ def lora_logprob_check(trainer, perturb: float = 5e-2, n_tokens: int = 32, seed:
     gen.pending_norms = trainer.aqn.clean_weights(model) if trainer.aqn is not None else None
     gen.sync_weights()  # wakes the weights if TRL's last generate() put the engine to sleep
     if gen.enable_sleep_mode:
-        # In sleep mode TRL's generate() wakes the KV cache itself, and sleeps again after; outside it, the KV cache
-        # of a trained engine is still asleep, and a generate() on it never returns (hung the 1.5B test at 408025e).
+        # Only TRL's generate() wakes the KV cache (and puts it back to sleep after). This check calls the engine
+        # directly, and a generate() on a sleeping KV cache never returns (it hung the 1.5B test at 408025e).
         llm.wake_up(tags=["kv_cache"])
     tok = trainer.processing_class
     if getattr(tok, "chat_template", None):

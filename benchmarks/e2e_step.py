@@ -279,6 +279,11 @@ def _classify(exc: BaseException) -> str:
     return "failed: " + text[:400]
 
 
+def row_name(row: dict) -> str:
+    """The matrix name of a result row (``RowSpec.name``)."""
+    return RowSpec(**{f.name: row[f.name] for f in dataclasses.fields(RowSpec)}).name
+
+
 def unrunnable(spec: RowSpec) -> str | None:
     """The ``not_run`` status of a row this machine cannot run by design (32B BF16/QLoRA), else None."""
     if spec.arm == "qerl" or spec.size in BF16_MAX_SIZE:
@@ -298,8 +303,8 @@ def run_row(spec: RowSpec, work: str, steps: int) -> dict:
                                completion_len=spec.completion_len, sleep=spec.sleep, generation=spec.generation,
                                prompt_len=PROMPT_TOKENS, lora_r=LORA_R, steps=steps,
                                vllm_gpu_memory_utilization=GPU_MEMORY_UTILIZATION[spec.size])
-    if unrunnable(spec):
-        row["status"] = unrunnable(spec)
+    if why := unrunnable(spec):
+        row["status"] = why
         return row
     t0 = time.perf_counter()
     mem = _PeakMemory()
@@ -513,7 +518,7 @@ def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | No
     ordered as in the default matrix."""
     from benchmarks._common import result_envelope
 
-    key = ("size", "arm", "prompts", "generations", "completion_len", "sleep", "generation")
+    row_status = row_status or {}
     latest: dict[str, dict] = {}
     meta: dict[str, Any] = {}
     commits: list[str] = []
@@ -530,20 +535,20 @@ def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | No
                     r.setdefault("commit", file_commit)
                     if r["commit"] and r["commit"] not in commits:
                         commits.append(r["commit"])
-                    latest[RowSpec(**{k: r[k] for k in key}).name] = r
-    for name, status in (row_status or {}).items():
-        if name in latest:
-            raise ValueError(f"--row-status {name}: that row was measured; its status comes from its run")
+                    latest[row_name(r)] = r
+    measured = sorted(set(row_status) & set(latest))
+    if measured:
+        raise ValueError(f"--row-status {measured}: measured rows; their status comes from their run")
     order = {s.name: i for i, s in enumerate(default_matrix())}
-    unknown = sorted(set(row_status or {}) - set(order))
+    unknown = sorted(set(row_status) - set(order))
     if unknown:
         raise ValueError(f"--row-status names rows outside the matrix: {unknown}; see --list")
     for spec in default_matrix():
         if spec.name not in latest:
-            status = (row_status or {}).get(spec.name) or unrunnable(spec) or missing
+            status = row_status.get(spec.name) or unrunnable(spec) or missing
             latest[spec.name] = dict(dataclasses.asdict(spec), prompt_len=PROMPT_TOKENS, lora_r=LORA_R,
                                      status=status)
-    rows = sorted(latest.values(), key=lambda r: order.get(RowSpec(**{k: r[k] for k in key}).name, 10**6))
+    rows = sorted(latest.values(), key=lambda r: order.get(row_name(r), 10**6))
     add_speedups(rows)
     env = result_envelope("e2e_step", rows, command or meta.get("command") or "python " + " ".join(sys.argv))
     env["gpu"] = meta.get("gpu", env["gpu"])
