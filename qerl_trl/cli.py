@@ -1,10 +1,11 @@
-"""The ``qerl-trl`` command: ``quantize``, ``train``, ``push``, ``demo``.
+"""The ``qerl-trl`` command: ``quantize``, ``train``, ``push``, ``demo``, ``compare``.
 
     qerl-trl quantize Qwen/Qwen2.5-7B-Instruct ./qwen2.5-7b-nvfp4      # 16-bit -> NVFP4A16 checkpoint
     qerl-trl train --config examples/recipes/qwen2.5-7b_gsm8k.yaml     # QeRL GRPO/DAPO from a recipe
     qerl-trl push base ./qwen2.5-7b-nvfp4 me/Qwen2.5-7B-Instruct-NVFP4 # NVFP4 base + card
     qerl-trl push adapter ./outputs/run me/run-lora --base-repo me/Qwen2.5-7B-Instruct-NVFP4
     qerl-trl demo                                                      # the README's first command
+    qerl-trl compare --seeds 0 1 2 --parallel 9                        # BF16 LoRA vs NVFP4 LoRA (+AQN) curves
 """
 
 from __future__ import annotations
@@ -215,6 +216,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------------------- compare
+
+
+def _cmd_compare(rest: list[str]) -> int:
+    from transformers import HfArgumentParser
+
+    from .learning import LearningConfig, run_comparison
+
+    parser = HfArgumentParser(LearningConfig, prog="qerl-trl compare", description=_COMPARE_HELP)
+    (cfg,) = parser.parse_args_into_dataclasses(args=rest)
+    run_comparison(cfg)
+    return 0
+
+
+_COMPARE_HELP = (
+    "Train the same GRPO recipe on a BF16 LoRA (TRL's GRPOTrainer), an NVFP4 LoRA and an NVFP4 LoRA with AQN, over "
+    "several seeds, and test the QeRL paper's learning claims (FP4 raises early entropy; AQN speeds reward growth; "
+    "final accuracy at least BF16's). Writes OUTPUT_DIR/comparison.json, learning_curves.png and one JSONL per run; "
+    "rerunning skips finished runs. Default model and task: SmolLM2-135M-Instruct on two-digit addition."
+)
+
+
 # ------------------------------------------------------------------------------------------------------ parser
 
 
@@ -225,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n", 2)[2],
     )
-    sub = p.add_subparsers(dest="command", metavar="{quantize,train,push,demo}")
+    sub = p.add_subparsers(dest="command", metavar="{quantize,train,push,demo,compare}")
 
     q = sub.add_parser(
         "quantize",
@@ -305,6 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--eval-size", type=int, default=64, help="Held-out problems scored before and after.")
     d.add_argument("--seed", type=int, default=0, help="Random seed.")
+
+    sub.add_parser(
+        "compare",
+        help="BF16 LoRA vs NVFP4 LoRA vs NVFP4 LoRA + AQN learning curves over seeds (the paper's learning claims).",
+        description=_COMPARE_HELP + " Every option of qerl_trl.learning.LearningConfig is a flag: "
+        "`qerl-trl compare --help-options` lists them.",
+        add_help=False,
+    )
     return p
 
 
@@ -315,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command != "train" and rest:
+    if args.command not in ("train", "compare") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "push" and args.what == "adapter" and not args.base_repo:
         parser.error("push adapter needs --base-repo (the Hub repo of the NVFP4 base it was trained on)")
@@ -326,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args, rest)
         if args.command == "push":
             return _cmd_push(args)
+        if args.command == "compare":
+            return _cmd_compare(["--help"] if "--help-options" in rest else rest)
         return _cmd_demo(args)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"qerl-trl {args.command}: error: {e}", file=sys.stderr)

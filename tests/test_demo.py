@@ -8,32 +8,6 @@ import json
 import pytest
 
 
-def test_arithmetic_dataset_and_reward_agree():
-    from qerl_trl.demo import FEW_SHOT_PREFIX, arithmetic_dataset
-    from qerl_trl.rewards import number_reward
-
-    ds = arithmetic_dataset(5, seed=1)
-    prompt = ds[0]["prompt"]
-    assert prompt.startswith(FEW_SHOT_PREFIX) and prompt.endswith(" =")
-    a, b = (int(x) for x in prompt.removeprefix(FEW_SHOT_PREFIX).removesuffix(" =").split(" + "))
-    assert (a, b) == (ds[0]["a"], ds[0]["b"]) and ds[0]["answer"] == str(a + b)
-    # what the model writes after "a + b =" in the few-shot format, then whatever it rambles on with
-    assert number_reward([f" {a + b}\n3 +", f" {a + b + 1}\n{a + b}"], answer=[ds[0]["answer"]] * 2) == [1.0, 0.0]
-    assert arithmetic_dataset(5, seed=1)["answer"] == ds["answer"]  # deterministic
-
-
-def test_problems_distinct_and_held_out_disjoint():
-    from qerl_trl.demo import FEW_SHOT, addition_problems, count_free_problems
-
-    held = addition_problems(32, seed=7)
-    train = addition_problems(count_free_problems(1, 20, held), seed=0, exclude=held)
-    assert len(set(held)) == 32 and len(set(train)) == len(train) == 400 - 32 - len(FEW_SHOT)
-    assert not set(train) & set(held) and not (set(train) | set(held)) & set(FEW_SHOT)
-    assert all(1 <= x <= 20 for p in train + held for x in p)
-    with pytest.raises(ValueError, match="distinct problems"):
-        addition_problems(len(train) + 1, seed=0, exclude=held)
-
-
 @pytest.mark.slow
 def test_demo_runs_on_tiny_model(tmp_path):
     from test_examples import tiny_checkpoint

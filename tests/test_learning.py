@@ -1,0 +1,138 @@
+"""The learning-dynamics comparison (``qerl-trl compare``): config checks, verdicts, and the whole driver on a
+tiny random model without vLLM (child processes, JSONL records, resume, failures kept as rows, plot)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from qerl_trl.learning import ARMS, LearningConfig, summarize, verdict
+
+
+def test_config_rejects_bad_input_with_what_to_do():
+    with pytest.raises(ValueError, match="subset of"):
+        LearningConfig(arms=["bf16", "nvfp4_lora"])
+    with pytest.raises(ValueError, match="number_reward"):
+        LearningConfig(reward="exact_match")
+    with pytest.raises(ValueError, match="TASKS|dataset_name"):
+        LearningConfig(task="multiply")
+    with pytest.raises(ValueError, match="num_generations"):
+        LearningConfig(num_generations=1)
+    with pytest.raises(ValueError, match="seed"):
+        LearningConfig(seeds=[])
+
+
+@pytest.mark.parametrize(
+    ("diffs", "at_least", "expected"),
+    [
+        ([0.1, 0.2, 0.05], False, "holds on every seed"),
+        ([0.3, -0.1, 0.1], False, "holds on average, not on every seed"),
+        ([-0.3, 0.1, 0.1], False, "does not hold on average"),
+        ([-0.1, -0.2, 0.0], False, "does not hold on any seed"),
+        ([0.0, 0.0, 0.1], True, "holds on every seed"),
+        ([0.0, 0.0, 0.1], False, "holds on average, not on every seed"),
+        ([0.2], False, "one seed only: no verdict"),
+        ([], False, "not measured"),
+    ],
+)
+def test_verdict(diffs, at_least, expected):
+    assert verdict(diffs, at_least) == expected
+
+
+def _run(arm, seed, rewards, entropies, accs, status="ok", lr=5e-4):
+    n = len(rewards)
+    return {
+        "name": f"{arm}-s{seed}", "arm": arm, "seed": seed, "learning_rate": lr, "status": status,
+        "steps": {"step": list(range(1, n + 1)), "reward": rewards, "entropy": entropies,
+                  "prompts_sha": [f"{seed}-{i}" for i in range(n)]},
+        "evals": {"step": [0, n], "accuracy": accs},
+    }  # fmt: skip
+
+
+def test_summarize_pairs_by_seed_and_skips_failed_runs():
+    cfg = LearningConfig(max_steps=10, seeds=[0, 1], early_fraction=0.2)
+    runs = []
+    for seed in (0, 1):
+        runs.append(_run("bf16_lora", seed, [0.1] * 10, [1.0] * 10, [0.1, 0.4]))
+        runs.append(_run("nvfp4_lora", seed, [0.1] * 10, [1.5, 1.5] + [1.0] * 8, [0.1, 0.3]))
+        runs.append(_run("nvfp4_lora_aqn", seed, [0.1] * 5 + [0.5] * 5, [1.2] * 10, [0.1, 0.5 + seed / 10]))
+    runs.append(_run("nvfp4_lora_aqn", 2, [1.0] * 10, [9.0] * 10, [0.0, 1.0], status="failed"))
+    s = summarize(runs, cfg)["0.0005"]
+    assert s["arms"]["nvfp4_lora"]["early_entropy"] == {"mean": 1.5, "std": 0.0, "n": 2}  # steps 1..2
+    assert s["arms"]["nvfp4_lora_aqn"]["mean_reward"]["mean"] == pytest.approx(0.3)
+    assert s["arms"]["nvfp4_lora_aqn"]["final_accuracy"] == {"mean": 0.55, "std": pytest.approx(0.0707, abs=1e-4), "n": 2}
+    claims = {(c["claim"], c["metric"], c["comparison"]): c for c in s["claims"]}
+    ent = claims[("fp4_raises_early_entropy", "early_entropy", "nvfp4_lora - bf16_lora")]
+    assert ent["per_seed"] == {0: 0.5, 1: 0.5} and ent["verdict"] == "holds on every seed"
+    aqn = claims[("aqn_speeds_reward_growth", "mean_reward", "nvfp4_lora_aqn - nvfp4_lora")]
+    assert aqn["mean"] == pytest.approx(0.2) and aqn["verdict"] == "holds on every seed"
+    acc = claims[("final_accuracy_at_least_bf16", "final_accuracy", "nvfp4_lora - bf16_lora")]
+    assert acc["verdict"] == "does not hold on any seed"
+    assert s["same_data_order"] == {0: True, 1: True}
+
+
+def test_cli_compare_bad_arm_is_a_clear_error(capsys):
+    from qerl_trl.cli import main
+
+    assert main(["compare", "--arms", "fp8_lora"]) == 1
+    assert "arms must be a non-empty subset" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_runs_every_arm_as_a_child_process_and_resumes(tmp_path):
+    from test_examples import tiny_checkpoint
+
+    from qerl_trl.learning import run_comparison
+
+    src = tiny_checkpoint(tmp_path / "tiny")
+    cfg = LearningConfig(
+        model=str(src), use_vllm=False, seeds=[0, 1], max_steps=3, prompts_per_step=2, num_generations=2,
+        eval_every=2, eval_size=4, lora_r=8, lora_alpha=16, aqn_num_stages=2, parallel=2,
+        output_dir=str(tmp_path / "cmp"),
+    )  # fmt: skip
+    result = run_comparison(cfg)
+    runs = {r["name"]: r for r in result["runs"]}
+    assert len(runs) == 6 and all(r["status"] == "ok" for r in runs.values()), [r.get("error") for r in runs.values()]
+    for r in runs.values():
+        assert r["steps"]["step"] == [1, 2, 3] and r["evals"]["step"] == [0, 2, 3]
+        assert all(e > 0 for e in r["steps"]["entropy"]) and all(0 <= x <= 1 for x in r["steps"]["reward"])
+        assert r["steps"]["wall_s"] == sorted(r["steps"]["wall_s"])
+        sigmas = r["steps"]["aqn_sigma"]
+        assert sigmas == ([0.0, 0.0, 1e-2] if r["arm"] == "nvfp4_lora_aqn" else [0.0] * 3)
+    # every arm of a seed saw the same prompts in the same order; the two seeds did not
+    for seed in (0, 1):
+        orders = {tuple(runs[f"{a}-lr0.0005-s{seed}"]["steps"]["prompts_sha"]) for a in ARMS}
+        assert len(orders) == 1
+    assert runs["bf16_lora-lr0.0005-s0"]["steps"]["prompts_sha"] != runs["bf16_lora-lr0.0005-s1"]["steps"]["prompts_sha"]
+    assert result["summary"]["0.0005"]["same_data_order"] == {0: True, 1: True}
+    work = tmp_path / "cmp"
+    assert (work / "nvfp4-base" / "config.json").is_file()  # quantized once, for every NVFP4 run
+    png = (work / "learning_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20000
+    saved = json.loads((work / "comparison.json").read_text())
+    assert saved["summary"] == json.loads(json.dumps(result["summary"]))
+
+    # a second call finds every run finished and trains nothing
+    stamps = {p: os.path.getmtime(p) for p in (work / "runs").glob("*.jsonl")}
+    again = run_comparison(cfg)
+    assert {p: os.path.getmtime(p) for p in (work / "runs").glob("*.jsonl")} == stamps
+    assert [r["status"] for r in again["runs"]] == ["ok"] * 6
+
+
+@pytest.mark.slow
+def test_a_failing_run_is_kept_as_a_row_and_the_rest_go_on(tmp_path):
+    from test_examples import tiny_checkpoint
+
+    from qerl_trl.learning import run_comparison
+
+    src = tiny_checkpoint(tmp_path / "tiny")
+    cfg = LearningConfig(
+        model=str(src), nvfp4_model=str(tmp_path / "missing"), use_vllm=False, seeds=[0],
+        arms=["bf16_lora", "nvfp4_lora"], max_steps=1, prompts_per_step=1, num_generations=2, eval_size=2,
+        lora_r=8, lora_alpha=16, parallel=2, output_dir=str(tmp_path / "cmp"),
+    )  # fmt: skip
+    runs = {r["arm"]: r for r in run_comparison(cfg)["runs"]}
+    assert runs["bf16_lora"]["status"] == "ok"
+    assert runs["nvfp4_lora"]["status"] == "failed" and "missing" in runs["nvfp4_lora"]["error"]

@@ -1,0 +1,49 @@
+"""GPU + vLLM: ``qerl-trl compare`` on the real SmolLM2-135M-Instruct, every arm in vLLM colocate mode, three
+engines sharing one GPU (started one at a time), a few steps each."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+GGUF = os.environ.get("QERL_SMOLLM_GGUF", "/tmp/gpu-extra/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_compare_three_arms_share_one_gpu_on_smollm2(tmp_path):
+    pytest.importorskip("vllm")
+    if not os.path.exists(GGUF):
+        pytest.skip(f"SmolLM2 GGUF not found at {GGUF} (set QERL_SMOLLM_GGUF)")
+    from qerl_trl.demo import GGUF_MEMBER, prepare_smollm2
+    from qerl_trl.learning import ARMS, LearningConfig, run_comparison
+
+    cache = tmp_path / "cache"
+    (cache / GGUF_MEMBER).parent.mkdir(parents=True)
+    shutil.copyfile(GGUF, cache / GGUF_MEMBER)
+    bf16, nvfp4 = prepare_smollm2(cache)
+    cfg = LearningConfig(
+        model=str(bf16), nvfp4_model=str(nvfp4), seeds=[0], max_steps=4, eval_every=2, eval_size=32,
+        aqn_num_stages=2, parallel=3, run_timeout=480, output_dir=str(tmp_path / "cmp"),
+    )  # fmt: skip
+    result = run_comparison(cfg)
+    runs = {r["arm"]: r for r in result["runs"]}
+    assert set(runs) == set(ARMS)
+    assert all(r["status"] == "ok" for r in runs.values()), {a: r.get("error") for a, r in runs.items()}
+    for arm, r in runs.items():
+        s = r["steps"]
+        assert s["step"] == [1, 2, 3, 4] and r["evals"]["step"] == [0, 2, 4]
+        assert all(math.isfinite(e) and e > 0 for e in s["entropy"]), (arm, s["entropy"])
+        assert all(0.0 <= x <= 1.0 for x in s["reward"]) and all(0.0 <= a <= 1.0 for a in r["evals"]["accuracy"])
+        assert s["aqn_sigma"] == ([0.0, 0.0, 1e-2, 1e-2] if arm == "nvfp4_lora_aqn" else [0.0] * 4)
+        print(arm, "init", r.get("init_s"), "s, train", r.get("train_s"), "s, wall by step", s["wall_s"],
+              "reward", s["reward"], "entropy", [round(e, 3) for e in s["entropy"]], "acc", r["evals"]["accuracy"])
+    # the three engines served the same problems in the same order
+    assert result["summary"]["0.0005"]["same_data_order"] == {0: True}
+    # the NVFP4 base starts where the bf16 base does, within quantization error (same held-out set, greedy)
+    accs = [runs[a]["evals"]["accuracy"][0] for a in ARMS]
+    assert runs["nvfp4_lora"]["evals"]["accuracy"][0] == runs["nvfp4_lora_aqn"]["evals"]["accuracy"][0]
+    assert max(accs) - min(accs) < 0.25, accs
