@@ -24,6 +24,7 @@ The adapter travels through a RAM-backed directory (``/dev/shm``) with vLLM's pu
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -248,6 +249,21 @@ def fp32_norms_during_load(param_names: list[str]) -> Iterator[None]:
         base_loader.BaseModelLoader.load_model = original
 
 
+def compile_cache_marker(fp32_norm_names: Iterable[str]) -> dict[str, str]:
+    """vLLM ``additional_config`` that gives engines with float32 norms their own torch.compile cache.
+
+    vLLM 0.24 keys its compile cache (``vllm/compilation/backends.py``) on its configs, env and the traced source
+    files, not on parameter dtypes. :func:`fp32_norms_during_load` changes the norms' dtype after the configs are
+    hashed, so without a marker an AQN engine loads the kernels another engine compiled for bf16 norms on the same
+    checkpoint (or the reverse) and generates garbage. ``VllmConfig.additional_config`` is hashed into that key.
+    """
+    names = sorted(fp32_norm_names)
+    if not names:
+        return {}
+    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+    return {"qerl_fp32_norms": digest}
+
+
 class LoRAServingLLM:
     """Proxy for a vLLM ``LLM`` used by TRL's ``VLLMGeneration.generate``.
 
@@ -390,6 +406,7 @@ def make_qerl_vllm_generation_class():
                     max_loras=1,
                     max_cpu_loras=2,
                     enforce_eager=spec.enforce_eager,
+                    additional_config=compile_cache_marker(spec.fp32_norm_names),
                 )
             self.llm = LoRAServingLLM(llm)
             self._pusher = _AdapterPusher(llm, spec.lora_sync_dir)
