@@ -173,11 +173,11 @@ def test_swap_trl_vllm_generation_restores():
 
 
 def test_compile_cache_marker_separates_fp32_norm_engines():
-    # vLLM hashes additional_config into its torch.compile cache key; bf16-norm engines must not get a marker (their
-    # cache stays shared), fp32-norm engines must, and it depends on the set of norms, not their order
+    # vLLM hashes additional_config into its torch.compile cache key: fp32-norm engines get a key of their own that
+    # depends on the set of norms, not their order; bf16-norm engines get a fixed one
     from qerl_trl.trainer import vllm_lora as vl
 
-    assert vl.compile_cache_marker([]) == {}
+    assert vl.compile_cache_marker([]) == {"qerl_fp32_norms": "none"}
     a = vl.compile_cache_marker(["model.norm.weight", "model.layers.0.input_layernorm.weight"])
     assert a == vl.compile_cache_marker(["model.layers.0.input_layernorm.weight", "model.norm.weight"])
     assert set(a) == {"qerl_fp32_norms"} and a != vl.compile_cache_marker(["model.norm.weight"])

@@ -62,6 +62,10 @@ class QeRLGRPOConfig(GRPOConfig):
         vllm_lora_sync_dir (`str`, defaults to `"/dev/shm"`):
             RAM-backed directory through which each round's adapter is handed to vLLM (deleted right after the
             load; never persistent disk).
+        vllm_max_logprob_gap (`float` or `None`, defaults to `2.0`):
+            Stop training when, for 3 generation rounds in a row, the mean |log p_vLLM − log p_trainer| per
+            completion token exceeds this many nats (or most of vLLM's log-probs are NaN): the engine is not serving
+            the trained policy. Healthy runs measure about 0.05 (0.2–0.35 with AQN at σ = 1e-2). `None` disables.
 
     > [!NOTE]
     > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
@@ -117,12 +121,22 @@ class QeRLGRPOConfig(GRPOConfig):
         metadata={"help": "RAM-backed directory used to hand each round's adapter to vLLM (files removed at once)."},
     )
 
+    vllm_max_logprob_gap: float | None = field(
+        default=2.0,
+        metadata={
+            "help": "Stop when vLLM's and the trainer's log-probs of the rollouts differ by more than this many nats "
+            "per token for 3 rounds in a row (the engine is not serving the trained policy). None disables."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.aqn_apply_to not in ("rollout", "rollout_and_policy"):
             raise ValueError(
                 f"aqn_apply_to must be 'rollout' or 'rollout_and_policy', got {self.aqn_apply_to!r}."
             )
+        if self.vllm_max_logprob_gap is not None and self.vllm_max_logprob_gap <= 0:
+            raise ValueError(f"vllm_max_logprob_gap must be > 0 or None, got {self.vllm_max_logprob_gap}.")
         if self.lora_r < 1:
             raise ValueError(f"lora_r must be >= 1, got {self.lora_r}.")
         if self.use_vllm and self.vllm_mode != "colocate":

@@ -281,6 +281,27 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
     # -- generation ---------------------------------------------------------------------------------------------
 
+    def _generate_and_score_completions(self, inputs):
+        """TRL's, then the rollout-policy check (see ``rollout_guard``) on the round's two sets of log-probs."""
+        output = super()._generate_and_score_completions(inputs)
+        if self.use_vllm and self.model.training and self.args.vllm_max_logprob_gap is not None:
+            self._check_rollout_policy(output)
+        return output
+
+    def _check_rollout_policy(self, output: dict) -> None:
+        sampling, trainer = output.get("sampling_per_token_logps"), output.get("old_per_token_logps")
+        if sampling is None or trainer is None:  # TRL computes them with vllm_importance_sampling_correction
+            return
+        from .rollout_guard import RolloutPolicyGuard
+
+        if getattr(self, "_rollout_guard", None) is None:
+            self._rollout_guard = RolloutPolicyGuard(self.args.vllm_max_logprob_gap)
+        guard = self._rollout_guard
+        gap, nan_fraction = guard.measure(sampling, trainer, output["completion_mask"])
+        local_bad = torch.tensor([float(guard.is_bad(gap, nan_fraction))], device=self.accelerator.device)
+        any_bad = bool(self.accelerator.gather(local_bad).max() > 0)  # every rank stops together
+        guard.update(self.state.global_step, gap, nan_fraction, bad=any_bad)
+
     def _generate(self, prompts: list):
         mode = "train" if self.model.training else "eval"
         model = self.model

@@ -256,11 +256,11 @@ def compile_cache_marker(fp32_norm_names: Iterable[str]) -> dict[str, str]:
     files, not on parameter dtypes. :func:`fp32_norms_during_load` changes the norms' dtype after the configs are
     hashed, so without a marker an AQN engine loads the kernels another engine compiled for bf16 norms on the same
     checkpoint (or the reverse) and generates garbage. ``VllmConfig.additional_config`` is hashed into that key.
+    Engines without fp32 norms get a marker too, so a cache an AQN engine filled before this marker existed is
+    never read by them.
     """
     names = sorted(fp32_norm_names)
-    if not names:
-        return {}
-    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16] if names else "none"
     return {"qerl_fp32_norms": digest}
 
 
