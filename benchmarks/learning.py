@@ -23,13 +23,34 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import REPO, gpu_tag, write_result  # noqa: E402
+from _common import REPO, gpu_tag, result_envelope  # noqa: E402
 
 
 @dataclass
 class ReportArgs:
     results_dir: str = field(default=os.path.join(REPO, "benchmarks", "results"), metadata={"help": "Where the JSON goes."})
     report_only: bool = field(default=False, metadata={"help": "Do not train: report the runs already in output_dir."})
+    invalid: list[str] = field(
+        default_factory=list,
+        metadata={"help": "RUN_PREFIX=REASON: mark the runs whose name starts with RUN_PREFIX invalid (kept as rows "
+                  "with the reason, left out of the summary and the plot). --report_only only."},
+    )
+    envelope_from: str | None = field(
+        default=None,
+        metadata={"help": "A learning-<gpu>.json written on the GPU machine: keep its gpu, versions, commit and "
+                  "command (the runs' provenance) when the report is rewritten elsewhere. --report_only only."},
+    )
+
+
+def mark_invalid(runs: list[dict], marks: list[str]) -> None:
+    """Apply ``RUN_PREFIX=REASON`` marks: status ``invalid`` and the reason as the row's error."""
+    for mark in marks:
+        prefix, sep, reason = mark.partition("=")
+        hit = [r for r in runs if r["name"].startswith(prefix)]
+        if not sep or not reason or not hit:
+            raise SystemExit(f"--invalid {mark!r}: need RUN_PREFIX=REASON naming at least one run")
+        for r in hit:
+            r["status"], r["error"] = "invalid", reason
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -39,26 +60,35 @@ def main(argv: list[str] | None = None) -> str:
 
     parser = HfArgumentParser((LearningConfig, ReportArgs))
     cfg, rep = parser.parse_args_into_dataclasses(args=argv)
+    if (rep.invalid or rep.envelope_from) and not rep.report_only:
+        parser.error("--invalid and --envelope_from go with --report_only")
     if rep.report_only:
-        from qerl_trl.learning import resolve_models, run_specs
+        from qerl_trl.learning import run_specs
 
         work = Path(cfg.output_dir).resolve()
-        bf16, nvfp4 = resolve_models(cfg, work)
-        runs = load_runs(work, run_specs(cfg, bf16, nvfp4))
+        runs = load_runs(work, run_specs(cfg, "", ""))
+        mark_invalid(runs, rep.invalid)
         summary = summarize(runs, cfg)
         plot = plot_curves(runs, work / "learning_curves.png", cfg)
         print(format_summary(summary))
     else:
         result = run_comparison(cfg)
         runs, summary, plot = result["runs"], result["summary"], result["plot"]
-    path = write_result("learning", runs, rep.results_dir)
-    with open(path) as f:
-        envelope = json.load(f)
+    envelope = result_envelope("learning", runs, "python benchmarks/learning.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    name = f"learning-{gpu_tag()}.json"
+    if rep.envelope_from:
+        with open(rep.envelope_from) as f:
+            source = json.load(f)
+        envelope["report"] = {"commit": envelope["commit"], "command": envelope["command"]}
+        envelope.update({k: source[k] for k in ("gpu", "versions", "commit", "command")})
+        name = os.path.basename(rep.envelope_from)
     envelope["config"] = asdict(cfg)
     envelope["summary"] = summary
+    os.makedirs(rep.results_dir, exist_ok=True)
+    path = os.path.join(rep.results_dir, name)
     with open(path, "w") as f:
         json.dump(envelope, f, indent=1, default=str)
-    png = os.path.join(rep.results_dir, f"learning-{gpu_tag()}.png")
+    png = path.removesuffix(".json") + ".png"
     shutil.copyfile(plot, png)
     print(f"wrote {path} and {png}")
     return path

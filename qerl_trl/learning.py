@@ -685,6 +685,7 @@ def plot_curves(runs: list[dict], path: Path, cfg: LearningConfig, window: int =
         row[1].set(title=f"policy entropy, nats/token (running mean of {window})", xlabel="step")
         row[2].set(title="held-out accuracy (greedy)", xlabel="step", ylim=(-0.02, 1.02))
         row[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("mean over seeds; shading and bars span the lowest to the highest seed", fontsize=9, y=0.995)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

@@ -136,3 +136,45 @@ def test_a_failing_run_is_kept_as_a_row_and_the_rest_go_on(tmp_path):
     runs = {r["arm"]: r for r in run_comparison(cfg)["runs"]}
     assert runs["bf16_lora"]["status"] == "ok"
     assert runs["nvfp4_lora"]["status"] == "failed" and "missing" in runs["nvfp4_lora"]["error"]
+
+
+def _write_runs(work, arms, seeds, steps=4):
+    (work / "runs").mkdir(parents=True)
+    for arm in arms:
+        for seed in seeds:
+            lines = [{"event": "start", "run": {"arm": arm, "seed": seed}}, {"event": "eval", "step": 0, "accuracy": 0.1}]
+            for k in range(1, steps + 1):
+                lines.append({"event": "step", "step": k, "wall_s": k * 1.0, "reward": 0.1 * k, "entropy": 1.0 / k,
+                              "aqn_sigma": 0.0, "prompts_sha": f"{seed}-{k}"})  # fmt: skip
+            lines += [{"event": "eval", "step": steps, "accuracy": 0.5}, {"event": "end", "status": "ok"}]
+            (work / "runs" / f"{arm}-lr0.0005-s{seed}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_benchmark_report_marks_invalid_runs_and_keeps_the_gpu_provenance(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from benchmarks import learning as bench
+
+    work = tmp_path / "runs-from-gpu"
+    _write_runs(work, ARMS, [0, 1])
+    source = tmp_path / "learning-h100.json"
+    source.write_text(json.dumps({"benchmark": "learning", "gpu": "NVIDIA H100 80GB HBM3", "versions": {"vllm": "0.24.0"},
+                                  "commit": "a" * 40, "command": "python benchmarks/learning.py --parallel 9", "rows": []}))
+    out = tmp_path / "results"
+    path = bench.main([
+        "--output_dir", str(work), "--seeds", "0", "1", "--max_steps", "4", "--report_only", "--results_dir", str(out),
+        "--envelope_from", str(source), "--invalid", "nvfp4_lora_aqn=engine served the wrong kernels",
+    ])  # fmt: skip
+    assert path == str(out / "learning-h100.json")
+    env = json.loads((out / "learning-h100.json").read_text())
+    assert {"benchmark", "gpu", "versions", "commit", "command", "rows"} <= set(env)
+    assert env["gpu"] == "NVIDIA H100 80GB HBM3" and env["commit"] == "a" * 40 and "--report_only" in env["report"]["command"]
+    status = {r["name"]: (r["status"], r.get("error")) for r in env["rows"]}
+    assert status["nvfp4_lora_aqn-lr0.0005-s1"] == ("invalid", "engine served the wrong kernels")
+    assert status["bf16_lora-lr0.0005-s0"] == ("ok", None)
+    block = env["summary"]["0.0005"]
+    assert block["arms"]["nvfp4_lora_aqn"]["seeds"] == [] and block["arms"]["nvfp4_lora"]["seeds"] == [0, 1]
+    assert (out / "learning-h100.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        bench.main(["--output_dir", str(work), "--report_only", "--results_dir", str(out), "--invalid", "nope=x"])
