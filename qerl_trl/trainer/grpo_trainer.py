@@ -188,6 +188,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
                     model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                     reward_processing_classes, callbacks, optimizers, None, peft_config, **kwargs,
                 )  # fmt: skip
+        from .distributed import exclude_nvfp4_base_from_ddp
+
+        exclude_nvfp4_base_from_ddp(self.model)  # frozen, identical on every rank: DDP must not broadcast it
         if args.use_vllm and not args.vllm_importance_sampling_correction:
             logger.warning(
                 "vllm_importance_sampling_correction=False: the FP4+AQN rollout policy differs from the trained "

@@ -32,6 +32,7 @@ class RolloutPolicyGuard:
         self.max_gap = max_gap
         self.patience = patience
         self.bad_rounds: list[tuple[int, float, float]] = []  # (step, gap, NaN fraction) of consecutive bad rounds
+        self.last: tuple[float, float] | None = None  # (gap, NaN fraction) of the latest round
 
     @staticmethod
     def measure(sampling_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -50,6 +51,7 @@ class RolloutPolicyGuard:
 
     def update(self, step: int, gap: float, nan_fraction: float, bad: bool | None = None) -> None:
         """Record one round (``bad`` overrides the local verdict, e.g. with any rank's); raise after ``patience``."""
+        self.last = (gap, nan_fraction)
         bad = self.is_bad(gap, nan_fraction) if bad is None else bad
         if not bad:
             self.bad_rounds.clear()

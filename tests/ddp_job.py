@@ -1,0 +1,135 @@
+"""A short QeRL GRPO job that records, per rank, what must agree across data-parallel ranks.
+
+Run under a launcher (``torchrun --nproc_per_node 2`` or ``accelerate launch --num_processes 2``); each rank appends
+JSON lines to ``OUT/rank<R>.jsonl``:
+
+* ``{"event": "aqn", "step", "sigma", "sha"}``: a hash of the round's noised norm weights (what vLLM gets);
+* ``{"event": "lora", "step", "sha"}``: a hash of the rank's LoRA parameters after each optimizer step;
+* ``{"event": "gap", "step", "gap", "nan_fraction"}``: vLLM-vs-trainer log-prob gap of the round (with vLLM);
+* ``{"event": "done", "global_step", "max_steps"}``.
+
+Used by ``tests/test_ddp.py`` (CPU, gloo) and ``tests/test_multi_gpu.py`` (2 GPUs, NCCL, vLLM colocate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+
+
+def _sha(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def varied_reward(completions, **kwargs) -> list[float]:
+    """A reward that differs between completions of a random model, so GRPO's advantages (and the LoRA) move."""
+    return [(sum(map(ord, c)) % 7) / 6 for c in completions]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max_steps", type=int, default=4)
+    p.add_argument("--save_steps", type=int, default=2)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--use_vllm", action="store_true")
+    p.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
+    p.add_argument("--cache_dir", default=None)
+    p.add_argument("--cache_only", action="store_true", help="only prepare vLLM's NVFP4 checkpoint in --cache_dir")
+    a = p.parse_args()
+
+    import torch
+    from transformers import TrainerCallback
+
+    from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
+    from qerl_trl.arithmetic import TASKS
+
+    cuda = torch.cuda.is_available() and a.use_vllm
+    args = QeRLGRPOConfig(
+        output_dir=os.path.join(a.out, "trainer"),
+        max_steps=a.max_steps,
+        save_strategy="steps",
+        save_steps=a.save_steps,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        lora_r=8,
+        lora_alpha=16,
+        aqn=True,
+        aqn_num_stages=2,
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=not cuda,
+        bf16=cuda,
+        use_vllm=a.use_vllm,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        vllm_tensor_parallel_size=a.vllm_tensor_parallel_size,
+        nvfp4_cache_dir=a.cache_dir,
+    )
+    if a.cache_only:  # both ranks start on an empty cache: the checkpoint must be written once, not raced
+        from accelerate import PartialState
+        from transformers import AutoTokenizer
+
+        from qerl_trl.trainer import grpo_trainer
+
+        rank = PartialState().process_index
+        calls = []
+        ensure = grpo_trainer.ensure_cached_checkpoint
+
+        def recorded_ensure(*args_, **kwargs):
+            calls.append(ensure(*args_, **kwargs))
+            return calls[-1]
+
+        grpo_trainer.ensure_cached_checkpoint = recorded_ensure
+        model, _ = QeRLGRPOTrainer._load_nvfp4_model(a.model, args)
+        tokenizer = AutoTokenizer.from_pretrained(a.model)
+        path = QeRLGRPOTrainer._vllm_checkpoint(None, model, a.model, False, tokenizer, args)  # uses no self
+        with open(os.path.join(a.out, f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"event": "cache", "path": path, "written": calls[-1][1]}) + "\n")
+        return
+    trainer = QeRLGRPOTrainer(
+        model=a.model, reward_funcs=varied_reward, args=args, train_dataset=TASKS["add_small"].dataset(64, seed=0)
+    )
+    rank = trainer.accelerator.process_index
+    path = os.path.join(a.out, f"rank{rank}.jsonl")
+
+    def write(**row) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    begin = trainer.aqn.begin_rollout
+
+    def recorded_begin(model, state, hf_generation=False):
+        weights = begin(model, state, hf_generation)
+        sigma = trainer.aqn.metrics(state)["aqn/sigma"]
+        write(event="aqn", step=int(state.global_step), sigma=sigma, sha=_sha(weights[k] for k in sorted(weights)))
+        return weights
+
+    trainer.aqn.begin_rollout = recorded_begin
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            lora = [p for n, p in sorted(model.named_parameters()) if "lora_" in n]
+            write(event="lora", step=int(state.global_step), sha=_sha(lora))
+            guard = getattr(trainer, "_rollout_guard", None)
+            if guard is not None and guard.last is not None:
+                write(event="gap", step=int(state.global_step), gap=guard.last[0], nan_fraction=guard.last[1])
+
+    trainer.add_callback(Recorder())
+    trainer.train(resume_from_checkpoint=a.resume)
+    write(event="done", global_step=int(trainer.state.global_step), max_steps=int(trainer.state.max_steps))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Data parallelism on CPU (gloo, 2 ranks, transformers generation): what must agree across ranks does, a resumed
+run continues exactly where it stopped, and the NVFP4 checkpoint vLLM would serve is written once, not raced.
+
+The job is ``tests/ddp_job.py``; ``tests/test_multi_gpu.py`` runs the same job on 2 GPUs with vLLM colocate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+JOB = Path(__file__).with_name("ddp_job.py")
+
+
+def launch(out: Path, *args: str, nproc: int = 2, timeout: float = 600, cpu: bool = True) -> dict[int, list[dict]]:
+    """Run the job on ``nproc`` ranks (CPU ones unless ``cpu=False``); return each rank's records."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if cpu:
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    with socket.socket() as sock:  # a free port for the rendezvous (torchrun does not pick one for port 0)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+           str(JOB), "--out", str(out), *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the {nproc}-rank job did not finish in {timeout} s:\n{stderr[-6000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    return {r: [json.loads(x) for x in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(nproc)}
+
+
+def by_event(records: list[dict], event: str) -> list[dict]:
+    return [r for r in records if r["event"] == event]
+
+
+def test_two_ranks_agree_on_aqn_and_lora_and_a_resumed_run_continues_exactly(tmp_path):
+    from test_examples import tiny_checkpoint
+
+    model = tiny_checkpoint(tmp_path / "tiny")
+    first = launch(tmp_path / "run", "--model", str(model), "--max_steps", "4", "--save_steps", "2")
+    aqn = {r: by_event(recs, "aqn") for r, recs in first.items()}
+    lora = {r: by_event(recs, "lora") for r, recs in first.items()}
+    assert aqn[0] == aqn[1], "AQN noise differs between ranks"
+    assert [(a["step"], a["sigma"]) for a in aqn[0]] == [(0, 0.0), (1, 0.0), (2, 1e-2), (3, 1e-2)]
+    assert aqn[0][0]["sha"] == aqn[0][1]["sha"] != aqn[0][2]["sha"] != aqn[0][3]["sha"]  # fresh noise each round
+    assert lora[0] == lora[1], "the LoRA differs between ranks after an optimizer step"
+    assert len({x["sha"] for x in lora[0]}) == 4  # it trained
+    assert (tmp_path / "run" / "trainer" / "checkpoint-2").is_dir()
+
+    resumed = launch(tmp_path / "resumed", "--model", str(model), "--max_steps", "4", "--save_steps", "2",
+                     "--resume", str(tmp_path / "run" / "trainer" / "checkpoint-2"))  # fmt: skip
+    for r in (0, 1):
+        assert by_event(resumed[r], "aqn") == aqn[r][2:]  # the schedule and the noise continue from step 2
+        assert by_event(resumed[r], "lora") == lora[r][2:]  # and so does training, bit for bit
+        assert by_event(resumed[r], "done") == [{"event": "done", "global_step": 4, "max_steps": 4}]
+
+
+def test_vllm_checkpoint_cache_is_written_once_when_two_ranks_start_on_an_empty_cache(tmp_path):
+    from test_examples import tiny_checkpoint
+
+    model = tiny_checkpoint(tmp_path / "tiny")
+    cache = tmp_path / "cache"
+    recs = launch(tmp_path / "run", "--model", str(model), "--cache_only", "--cache_dir", str(cache))
+    rows = [recs[r][0] for r in (0, 1)]
+    assert rows[0]["path"] == rows[1]["path"] and sorted(r["written"] for r in rows) == [False, True]
+    assert [p.name for p in cache.iterdir()] == [Path(rows[0]["path"]).name]  # no temporary dir left behind
+    assert (Path(rows[0]["path"]) / "config.json").is_file()

@@ -1,0 +1,52 @@
+"""Two GPUs: ``tests/ddp_job.py`` under ``torchrun --nproc_per_node 2`` with vLLM colocate (one engine per rank) on
+the real SmolLM2-135M-Instruct, quantized to NVFP4 on load. Skips cleanly on a machine with fewer than 2 GPUs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from test_ddp import by_event, launch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.multi_gpu]
+
+GGUF = os.environ.get("QERL_SMOLLM_GGUF", "/tmp/gpu-extra/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture
+def smollm2_bf16(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    pytest.importorskip("vllm")
+    if not os.path.exists(GGUF):
+        pytest.skip(f"SmolLM2 GGUF not found at {GGUF} (set QERL_SMOLLM_GGUF)")
+    from qerl_trl.demo import GGUF_MEMBER, prepare_smollm2
+
+    cache = tmp_path / "demo-cache"
+    (cache / GGUF_MEMBER).parent.mkdir(parents=True)
+    shutil.copyfile(GGUF, cache / GGUF_MEMBER)
+    return prepare_smollm2(cache)[0]
+
+
+def test_ddp_two_ranks_vllm_colocate(tmp_path, smollm2_bf16):
+    cache = tmp_path / "nvfp4-cache"  # empty: both ranks start together, the checkpoint must be written once
+    common = ["--model", str(smollm2_bf16), "--use_vllm", "--cache_dir", str(cache), "--max_steps", "4",
+              "--save_steps", "2"]  # fmt: skip
+    first = launch(tmp_path / "run", *common, timeout=900, cpu=False)
+    assert len(list(cache.iterdir())) == 1
+    aqn = {r: by_event(recs, "aqn") for r, recs in first.items()}
+    lora = {r: by_event(recs, "lora") for r, recs in first.items()}
+    assert aqn[0] == aqn[1] and [a["sigma"] for a in aqn[0]] == [0.0, 0.0, 1e-2, 1e-2]
+    assert lora[0] == lora[1] and len({x["sha"] for x in lora[0]}) == 4
+    for r in (0, 1):  # each rank's engine serves the synced adapter on the FP4 base (noise-free rounds)
+        gaps = by_event(first[r], "gap")
+        assert len(gaps) == 4 and all(g["nan_fraction"] == 0 for g in gaps), gaps
+        assert all(g["gap"] < 0.15 for g in gaps[:2]), gaps
+    resumed = launch(tmp_path / "resumed", *common, "--resume", str(tmp_path / "run" / "trainer" / "checkpoint-2"),
+                     timeout=900, cpu=False)  # fmt: skip
+    for r in (0, 1):
+        assert by_event(resumed[r], "aqn") == aqn[r][2:]
+        assert by_event(resumed[r], "done") == [{"event": "done", "global_step": 4, "max_steps": 4}]
