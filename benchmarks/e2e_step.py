@@ -128,8 +128,9 @@ def prepare_checkpoints(work: str, size: str, need_bf16: bool) -> dict[str, floa
 class _PeakMemory:
     """Device memory in use (NVML, every 20 ms, the whole GPU: vLLM's pools included) between start() and stop()."""
 
-    def __init__(self, interval: float = 0.02):
+    def __init__(self, interval: float = 0.02, device_index: int = 0):
         self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self.device_index = device_index
         self._thread: threading.Thread | None = None
 
     def _used(self) -> int:
@@ -149,7 +150,7 @@ class _PeakMemory:
             import pynvml
 
             pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(self.device_index)
         except Exception:  # no NVML: torch's view of the device
             self._nvml = None
         self.peak = self._used()
@@ -208,7 +209,7 @@ def _reward(completions, **kwargs):
     return [float(zlib.crc32(t.encode()) % 1000) / 1000.0 for t in texts]
 
 
-def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0):
+def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int = 1):
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -244,6 +245,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0):
         vllm_gpu_memory_utilization=GPU_MEMORY_UTILIZATION[spec.size],
         vllm_max_model_length=PROMPT_TOKENS + spec.completion_len + 16,
         vllm_enable_sleep_mode=spec.sleep,
+        vllm_tensor_parallel_size=tp,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )

@@ -3,10 +3,8 @@
 Run under a launcher (``torchrun --nproc_per_node 2`` or ``accelerate launch --num_processes 2``); each rank appends
 JSON lines to ``OUT/rank<R>.jsonl``:
 
-* ``{"event": "aqn", "step", "sigma", "sha"}``: a hash of the round's noised norm weights (what vLLM gets);
-* ``{"event": "lora", "step", "sha"}``: a hash of the rank's LoRA parameters after each optimizer step;
-* ``{"event": "gap", "step", "gap", "nan_fraction"}``: vLLM-vs-trainer log-prob gap of the round (with vLLM);
-* ``{"event": "done", "global_step", "max_steps"}``.
+the events of ``benchmarks.multi_gpu.attach_rank_recorder`` (AQN noise, LoRA and, with vLLM, the log-prob gap
+of each round), then ``{"event": "done", "global_step", "max_steps"}``.
 
 Used by ``tests/test_ddp.py`` (CPU, gloo) and ``tests/test_multi_gpu.py`` (2 GPUs, NCCL, vLLM colocate).
 """
@@ -14,16 +12,11 @@ Used by ``tests/test_ddp.py`` (CPU, gloo) and ``tests/test_multi_gpu.py`` (2 GPU
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
+import sys
 
-
-def _sha(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for benchmarks/
 
 
 def varied_reward(completions, **kwargs) -> list[float]:
@@ -45,8 +38,8 @@ def main() -> None:
     a = p.parse_args()
 
     import torch
-    from transformers import TrainerCallback
 
+    from benchmarks.multi_gpu import attach_rank_recorder
     from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
     from qerl_trl.arithmetic import TASKS
 
@@ -108,25 +101,7 @@ def main() -> None:
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    begin = trainer.aqn.begin_rollout
-
-    def recorded_begin(model, state, hf_generation=False):
-        weights = begin(model, state, hf_generation)
-        sigma = trainer.aqn.metrics(state)["aqn/sigma"]
-        write(event="aqn", step=int(state.global_step), sigma=sigma, sha=_sha(weights[k] for k in sorted(weights)))
-        return weights
-
-    trainer.aqn.begin_rollout = recorded_begin
-
-    class Recorder(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kw):
-            lora = [p for n, p in sorted(model.named_parameters()) if "lora_" in n]
-            write(event="lora", step=int(state.global_step), sha=_sha(lora))
-            guard = getattr(trainer, "_rollout_guard", None)
-            if guard is not None and guard.last is not None:
-                write(event="gap", step=int(state.global_step), gap=guard.last[0], nan_fraction=guard.last[1])
-
-    trainer.add_callback(Recorder())
+    attach_rank_recorder(trainer, write)
     trainer.train(resume_from_checkpoint=a.resume)
     write(event="done", global_step=int(trainer.state.global_step), max_steps=int(trainer.state.max_steps))
 

@@ -1,0 +1,254 @@
+"""QeRL GRPO steps on one GPU, data-parallel on two (DDP x2), and with tensor-parallel rollouts (TP=2) (issue #14).
+
+    python benchmarks/multi_gpu.py --work /tmp/qerl-mg --out-dir benchmarks/results   # every mode -> multi_gpu-<gpu>x<n>.json
+    python benchmarks/multi_gpu.py --modes ddp2 --size 7b
+
+Each mode is one ``torchrun`` job whose ranks each build ``benchmarks/e2e_step.py``'s QeRL arm (random Qwen2.5
+weights in NVFP4A16, AQN on, LoRA r32 on every linear, vLLM colocate, one engine per rank or one TP=2 engine per
+pair) and train ``--steps`` steps. Every rank records its step, rollout and sync times, its GPU's peak memory (NVML)
+and what must agree across ranks (:func:`attach_rank_recorder`): a hash of each round's AQN-noised norms, a hash
+of the LoRA after each optimizer step, and vLLM's log-prob gap to the trainer on each round. The row of a mode:
+``{mode, gpus, processes, tp, step_s, rollout_s, sync_s, peak_gib_per_gpu, checks, status}``, medians over the
+steps after the first, the slowest rank's. A mode that fails (an OOM, a vLLM limit) is a row with its status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+#: mode -> (processes, vllm_tensor_parallel_size)
+MODES = {"1gpu": (1, 1), "ddp2": (2, 1), "tp2": (2, 2)}
+#: vLLM's log-prob gap to the trainer on noise-free rounds, nats/token (the colocate check's tolerance)
+GAP_TOLERANCE = 0.05
+
+
+def _sha(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def attach_rank_recorder(trainer, write) -> None:
+    """Record, through ``write(**row)``, what must agree across data-parallel ranks.
+
+    * ``{"event": "aqn", "step", "sigma", "sha"}`` per generation round: the round's noised norm weights (what the
+      rank's vLLM engine gets; wraps ``trainer.aqn.begin_rollout``);
+    * ``{"event": "lora", "step", "sha"}`` after each optimizer step: the rank's LoRA parameters;
+    * ``{"event": "gap", "step", "gap", "nan_fraction"}`` after each step with vLLM: the rollout-policy guard's
+      measure of the round (vLLM's log-probs against the trainer's).
+    """
+    from transformers import TrainerCallback
+
+    if trainer.aqn is not None:
+        begin = trainer.aqn.begin_rollout
+
+        def recorded_begin(model, state, hf_generation=False):
+            weights = begin(model, state, hf_generation)
+            sigma = trainer.aqn.metrics(state)["aqn/sigma"]
+            write(event="aqn", step=int(state.global_step), sigma=sigma, sha=_sha(weights[k] for k in sorted(weights)))
+            return weights
+
+        trainer.aqn.begin_rollout = recorded_begin
+
+    class RankRecorder(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            lora = [p for n, p in sorted(model.named_parameters()) if "lora_" in n]
+            write(event="lora", step=int(state.global_step), sha=_sha(lora))
+            guard = getattr(trainer, "_rollout_guard", None)
+            if guard is not None and guard.last is not None:
+                write(event="gap", step=int(state.global_step), gap=guard.last[0], nan_fraction=guard.last[1])
+
+    trainer.add_callback(RankRecorder())
+
+
+# ------------------------------------------------------------------------------------------ one rank (worker)
+def run_rank(spec, work: str, steps: int, tp: int, out_dir: str) -> None:
+    """Train on this rank and write ``out_dir/rank<R>.json``: timings, peak memory, the recorder's events."""
+    import torch
+    from transformers import TrainerCallback
+
+    from benchmarks import e2e_step as e2e
+
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+    events: list[dict] = []
+    result: dict[str, Any] = {"rank": rank, "events": events}
+    mem = e2e._PeakMemory(device_index=local)
+    t0 = time.perf_counter()
+    try:
+        trainer = e2e.build_trainer(spec, work, steps, tp=tp)
+        result["init_s"] = round(time.perf_counter() - t0, 1)
+        attach_rank_recorder(trainer, lambda **row: events.append(row))
+        gen = getattr(trainer, "vllm_generation", None) if spec.generation == "vllm" else None
+        sync_t = e2e._Timed(gen, "sync_weights") if gen is not None else None
+        roll_t = e2e._Timed(gen, "generate") if gen is not None else e2e._Timed(trainer, "_generate_single_turn")
+        per_step: list[dict] = []
+
+        class StepTimer(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                e2e._sync()
+                self.t = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                e2e._sync()
+                per_step.append(dict(step_s=time.perf_counter() - self.t, rollout_s=roll_t.take(),
+                                     sync_s=sync_t.take() if sync_t else 0.0))  # fmt: skip
+
+        trainer.add_callback(StepTimer())
+        mem.start()
+        trainer.train()
+        result["peak_gib"] = round(mem.stop(), 2)
+        result["per_step"] = per_step
+        result["status"] = "ok"
+    except BaseException as e:  # noqa: BLE001 - a failure is a row
+        mem.stop()
+        result["status"] = e2e._classify(e)
+        result["traceback"] = traceback.format_exc()[-3000:]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f, default=str)
+
+
+# ------------------------------------------------------------------------------------------ a mode (driver)
+def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
+    """One row from the ranks' results: the slowest rank's medians, every GPU's peak, the cross-rank checks."""
+    processes, tp = MODES[mode]
+    row: dict[str, Any] = {"mode": mode, "gpus": processes, "processes": processes, "tp": tp, "steps": steps}
+    bad = [r for r in ranks if r.get("status") != "ok"]
+    if len(ranks) < processes or bad:
+        row["status"] = bad[0]["status"] if bad else f"failed: {len(ranks)} of {processes} ranks reported"
+        row["traceback"] = (bad[0].get("traceback") if bad else None)
+        return row
+    for key in ("step_s", "rollout_s", "sync_s"):
+        medians = [statistics.median(s[key] for s in (r["per_step"][1:] or r["per_step"])) for r in ranks]
+        row[key] = round(max(medians), 3)
+    row["init_s"] = max(r["init_s"] for r in ranks)
+    row["peak_gib_per_gpu"] = [r["peak_gib"] for r in sorted(ranks, key=lambda r: r["rank"])]
+
+    def events(r, kind):
+        return [{k: v for k, v in e.items() if k != "event"} for e in r["events"] if e["event"] == kind]
+
+    aqn = [events(r, "aqn") for r in ranks]
+    lora = [events(r, "lora") for r in ranks]
+    gaps = [events(r, "gap") for r in ranks]
+    clean = [[g["gap"] for g, a in zip(gp, ev, strict=False) if a["sigma"] == 0] for gp, ev in zip(gaps, aqn, strict=True)]
+    checks = {
+        "aqn_same_on_every_rank": all(a == aqn[0] for a in aqn) and len(aqn[0]) == steps,
+        "lora_same_on_every_rank": all(x == lora[0] for x in lora) and len(lora[0]) == steps,
+        "lora_trained": len({x["sha"] for x in lora[0]}) == steps,
+        "noise_free_logprob_gap_per_rank": [round(max(c), 4) if c else None for c in clean],
+    }
+    checks["noise_free_logprob_gap_ok"] = all(c and max(c) <= GAP_TOLERANCE for c in clean) if any(gaps) else None
+    row["checks"] = checks
+    passed = [v for k, v in checks.items() if isinstance(v, bool)]
+    row["status"] = "ok" if all(passed) else "check_failed: " + ", ".join(
+        k for k, v in checks.items() if v is False)
+    return row
+
+
+def run_mode(mode: str, spec, work: str, steps: int, timeout: float) -> dict:
+    processes, tp = MODES[mode]
+    out_dir = os.path.join(work, f"mode-{mode}")
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):
+        os.remove(os.path.join(out_dir, name))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+           str(port), __file__, "--worker", json.dumps(dataclasses.asdict(spec)), "--work", work, "--steps",
+           str(steps), "--tp", str(tp), "--rank-dir", out_dir]  # fmt: skip
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        timed_out = True
+    ranks = []
+    for name in sorted(os.listdir(out_dir)):
+        with open(os.path.join(out_dir, name)) as f:
+            ranks.append(json.load(f))
+    row = summarize_mode(mode, ranks, steps)
+    if timed_out and row["status"] != "ok":
+        row["status"] = f"timeout after {timeout:.0f} s"
+    if row["status"] != "ok":
+        row["log_tail"] = (log or "")[-2500:]
+    row.update(size=spec.size, prompts=spec.prompts, generations=spec.generations,
+               completion_len=spec.completion_len, mode_wall_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--size", default="7b")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per rank and step")
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--completion-len", type=int, default=512)
+    ap.add_argument("--generation", default="vllm", choices=["vllm", "hf"], help="hf: the CPU smoke test")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--work", default="/tmp/qerl-mg")
+    ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mode")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--rank-dir", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    from benchmarks import e2e_step as e2e
+
+    if a.worker:
+        run_rank(e2e.RowSpec(**json.loads(a.worker)), a.work, a.steps, a.tp, a.rank_dir)
+        return []
+    import torch
+
+    from benchmarks._common import result_envelope
+
+    spec = e2e.RowSpec(a.size, "qerl", a.prompts, a.generations, a.completion_len, sleep=False, generation=a.generation)
+    prep = e2e.prepare_checkpoints(a.work, a.size, need_bf16=False)
+    print(f"checkpoint ready: {prep}", flush=True)
+    rows = []
+    gpus = torch.cuda.device_count()
+    for mode in a.modes:
+        if MODES[mode][0] > max(gpus, 1) and a.generation == "vllm":
+            rows.append({"mode": mode, "gpus": MODES[mode][0], "status": f"not_run: needs {MODES[mode][0]} GPUs, "
+                         f"this machine has {gpus}"})  # fmt: skip
+        else:
+            rows.append(run_mode(mode, spec, a.work, a.steps, a.timeout))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("log_tail", "traceback")}), flush=True)
+    env = result_envelope("multi_gpu", rows, "python benchmarks/multi_gpu.py " + " ".join(argv or sys.argv[1:]))
+    tag = env["gpu"].lower()
+    from benchmarks._common import gpu_tag
+
+    os.makedirs(a.out_dir, exist_ok=True)
+    path = os.path.join(a.out_dir, f"multi_gpu-{gpu_tag()}x{max(gpus, 1)}.json" if tag != "cpu" else "multi_gpu-cpu.json")
+    with open(path, "w") as f:
+        json.dump(env, f, indent=1, default=str)
+    print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""CPU checks of ``benchmarks/multi_gpu.py``: one rank's worker trains the e2e QeRL arm on a tiny model and reports
+timings and the recorder's events; a mode's row says whether the ranks agreed, and a failed rank is the row's status.
+The 2-rank agreement itself is tested by ``tests/test_ddp.py`` (same recorder); the numbers come from 2 GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks import multi_gpu as mg  # noqa: E402
+from test_e2e_step import tiny  # noqa: E402,F401  (the fixture: a tiny Qwen2-shaped size for e2e_step)
+
+
+@pytest.mark.slow
+def test_one_rank_trains_and_its_row_has_timings_and_checks(tiny, tmp_path, monkeypatch):  # noqa: F811
+    from benchmarks import e2e_step as e2e
+
+    work = str(tmp_path)
+    e2e.prepare_checkpoints(work, tiny, need_bf16=False)
+    spec = e2e.RowSpec(tiny, "qerl", prompts=2, generations=4, completion_len=6, sleep=False, generation="hf")
+    monkeypatch.setenv("RANK", "0")
+    mg.run_rank(spec, work, steps=3, tp=1, out_dir=work)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["status"] == "ok", rank0.get("traceback")
+    kinds = [e["event"] for e in rank0["events"]]
+    assert kinds.count("aqn") == 3 and kinds.count("lora") == 3 and "gap" not in kinds  # no vLLM: no gap
+    row = mg.summarize_mode("1gpu", [rank0], steps=3)
+    assert row["status"] == "ok", row
+    assert row["step_s"] > 0 and row["rollout_s"] > 0 and row["sync_s"] == 0.0 and len(row["peak_gib_per_gpu"]) == 1
+    assert row["checks"]["aqn_same_on_every_rank"] and row["checks"]["lora_trained"]
+    assert row["checks"]["noise_free_logprob_gap_ok"] is None
+
+
+def _rank(rank, lora_shas, gaps=(0.01, 0.02), status="ok"):
+    events = [{"event": "aqn", "step": i, "sigma": 0.0 if i < 2 else 0.01, "sha": f"n{i}"} for i in range(3)]
+    events += [{"event": "lora", "step": i + 1, "sha": s} for i, s in enumerate(lora_shas)]
+    events += [{"event": "gap", "step": i + 1, "gap": g, "nan_fraction": 0.0} for i, g in enumerate([*gaps, 0.3])]
+    per_step = [{"step_s": 2.0, "rollout_s": 1.0, "sync_s": 0.1}, {"step_s": 1.0 + rank, "rollout_s": 0.5,
+                                                                    "sync_s": 0.1}] * 2  # fmt: skip
+    return {"rank": rank, "status": status, "events": events, "per_step": per_step, "init_s": 60.0, "peak_gib": 30.0}
+
+
+def test_a_mode_row_takes_the_slowest_rank_and_says_which_check_failed():
+    ok = mg.summarize_mode("ddp2", [_rank(0, ["a", "b", "c"]), _rank(1, ["a", "b", "c"])], steps=3)
+    assert ok["status"] == "ok" and ok["step_s"] == 2.0 and ok["peak_gib_per_gpu"] == [30.0, 30.0]
+    assert ok["checks"]["noise_free_logprob_gap_per_rank"] == [0.02, 0.02]  # the AQN round (0.3) is not judged
+    drift = mg.summarize_mode("ddp2", [_rank(0, ["a", "b", "c"]), _rank(1, ["a", "x", "c"], gaps=(0.01, 0.4))], 3)
+    assert drift["status"] == "check_failed: lora_same_on_every_rank, noise_free_logprob_gap_ok"
+    failed = mg.summarize_mode("tp2", [_rank(0, ["a"] * 3, status="failed: ValueError: no TP with LoRA")], steps=3)
+    assert failed["status"] == "failed: ValueError: no TP with LoRA"
