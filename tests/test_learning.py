@@ -178,3 +178,26 @@ def test_benchmark_report_marks_invalid_runs_and_keeps_the_gpu_provenance(tmp_pa
     assert (out / "learning-h100.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit):
         bench.main(["--output_dir", str(work), "--report_only", "--results_dir", str(out), "--invalid", "nope=x"])
+
+
+@pytest.mark.slow
+def test_compare_runs_on_a_users_dataset_file_with_chat_prompts(tmp_path):
+    from test_examples import gsm8k_rows, tiny_checkpoint
+
+    from qerl_trl.learning import build_datasets, run_comparison
+
+    rows = gsm8k_rows(12)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[8:]))
+    cfg = LearningConfig(
+        model=str(tiny_checkpoint(tmp_path / "tiny")), dataset_name=str(tmp_path),  # a folder of train/test files
+        train_split="train", eval_split="test", prompt_column="question",
+        answer_column="answer", chat_prompts=True, reward="gsm8k_accuracy_reward", arms=["bf16_lora", "nvfp4_lora"],
+        seeds=[0], use_vllm=False, max_steps=2, prompts_per_step=2, num_generations=2, eval_every=1, lora_r=8,
+        lora_alpha=16, output_dir=str(tmp_path / "cmp"),
+    )  # fmt: skip
+    train, held = build_datasets(cfg, seed=0)
+    assert len(train) == 8 and len(held) == 4
+    assert train[0]["prompt"] == [{"role": "user", "content": rows[0]["question"]}] and train[0]["answer"] == rows[0]["answer"]
+    runs = run_comparison(cfg)["runs"]
+    assert [r["status"] for r in runs] == ["ok", "ok"] and all(r["evals"]["step"] == [0, 1, 2] for r in runs)
