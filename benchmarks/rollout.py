@@ -1,0 +1,222 @@
+"""Rollout decode speed in vLLM: merged BF16 vs NVFP4 + vLLM's LoRA vs NVFP4 alone, at Qwen2.5 shapes (issue #15).
+
+    python benchmarks/rollout.py --sizes 7b --out-dir benchmarks/results        # -> rollout-<gpu>.json
+    python benchmarks/rollout.py --sizes 7b 14b --batches 1 8 16 64 128 --arms bf16_merged nvfp4
+
+Arms, each one vLLM engine in its own process (random weights; ``ignore_eos`` so every sequence decodes
+``--gen-len`` tokens in every arm):
+
+* ``bf16_merged``: the BF16 checkpoint, no LoRA. This is what TRL's rollout costs: it merges the LoRA into the
+  BF16 weights before every sync, so generation runs dense BF16 matmuls;
+* ``nvfp4_vllm_lora``: the NVFP4A16 checkpoint (vLLM's Marlin FP4 kernel on Hopper) with a rank-``--lora-r``
+  adapter on every linear, served by vLLM's multi-LoRA path as QeRL serves it today (``LoRARequest``);
+* ``nvfp4``: the NVFP4A16 checkpoint without LoRA: the ceiling for any FP4 + LoRA path.
+
+A row per (size, arm, batch): ``tokens_per_s`` (generated tokens over the wall time of one ``generate`` call of
+``batch`` prompts of ``--prompt-len`` tokens; the prefill is included and small next to the decode),
+``ms_per_token_step`` and ``vs_bf16_merged``. An engine that fails or runs out of memory gives rows with its status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+ARMS = ("bf16_merged", "nvfp4_vllm_lora", "nvfp4")
+BATCHES = (1, 8, 16, 64, 128)
+#: vLLM's share of the GPU per engine: weights plus the KV cache of 128 sequences of 768 tokens
+GPU_MEMORY_UTILIZATION = 0.85
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    size: str
+    arm: str
+    batches: tuple[int, ...]
+    prompt_len: int = 256
+    gen_len: int = 512
+    lora_r: int = 32
+
+
+def lora_shapes(config) -> dict[str, tuple[int, int]]:
+    """``{module: (in_features, out_features)}`` of a Qwen2/Llama decoder layer's linears."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+            "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+
+
+def write_random_adapter(path: str, config, r: int, seed: int = 0) -> str:
+    """A PEFT LoRA adapter of rank ``r`` on every linear of every layer, random A and B (B non-zero, so vLLM
+    applies it), written in the layout QeRL hands to vLLM (``qerl_trl.trainer.vllm_lora.write_adapter_dir``)."""
+    import torch
+    from peft import LoraConfig
+
+    from qerl_trl.trainer.vllm_lora import write_adapter_dir
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module, (fan_in, fan_out) in lora_shapes(config).items():
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(r, fan_in, generator=gen) / fan_in**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, r, generator=gen) * 1e-3
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(LORA_TARGETS), lora_dropout=0.0, bias="none",
+                     task_type="CAUSAL_LM")  # fmt: skip
+    write_adapter_dir(path, tensors, cfg)
+    return path
+
+
+def unrunnable(spec: EngineSpec) -> str | None:
+    from benchmarks import e2e_step as e2e
+
+    if spec.arm == "bf16_merged" and spec.size not in e2e.BF16_MAX_SIZE:
+        return "not_run: a 32B BF16 checkpoint (65 GB) does not fit the GPU machine's 64 GiB disk"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ one engine (child)
+def run_engine(spec: EngineSpec, work: str) -> list[dict]:
+    """Build the arm's engine once, then time one ``generate`` per batch size; a row per batch."""
+    from benchmarks import e2e_step as e2e
+    from benchmarks import random_models as rm
+
+    base = dict(size=spec.size, arm=spec.arm, prompt_len=spec.prompt_len, gen_len=spec.gen_len,
+                lora_r=spec.lora_r if spec.arm == "nvfp4_vllm_lora" else 0)  # fmt: skip
+    if why := unrunnable(spec):
+        return [dict(base, batch=b, status=why) for b in spec.batches]
+    try:
+        import torch
+        from transformers import AutoConfig
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        paths = e2e.checkpoint_paths(work, spec.size)
+        model = paths["bf16"] if spec.arm == "bf16_merged" else paths["nvfp4"]
+        lora = spec.arm == "nvfp4_vllm_lora"
+        t0 = time.perf_counter()
+        lora_kwargs = dict(enable_lora=True, max_lora_rank=spec.lora_r, max_loras=1) if lora else {}
+        llm = LLM(model=model, gpu_memory_utilization=GPU_MEMORY_UTILIZATION, max_model_len=spec.prompt_len
+                  + spec.gen_len + 16, max_num_seqs=max(spec.batches), seed=0, **lora_kwargs)  # fmt: skip
+        init_s = time.perf_counter() - t0
+        request = None
+        if lora:
+            from vllm.lora.request import LoRARequest
+
+            adapter = write_random_adapter(os.path.join(work, f"adapter-{spec.size}-r{spec.lora_r}"),
+                                           AutoConfig.from_pretrained(model), spec.lora_r)  # fmt: skip
+            request = LoRARequest(lora_name="bench", lora_int_id=1, lora_path=adapter)
+        vocab = AutoConfig.from_pretrained(model).vocab_size
+        gen = torch.Generator().manual_seed(0)
+        eos = rm.eos_token_id(vocab)
+
+        def prompts(n: int):
+            ids = torch.randint(0, vocab, (n, spec.prompt_len), generator=gen)
+            ids[ids == eos] = eos - 1
+            return [TokensPrompt(prompt_token_ids=row.tolist()) for row in ids]
+
+        params = SamplingParams(max_tokens=spec.gen_len, min_tokens=spec.gen_len, ignore_eos=True, temperature=1.0)
+        llm.generate(prompts(2), SamplingParams(max_tokens=8, ignore_eos=True), lora_request=request)  # warm-up
+        rows = []
+        for batch in spec.batches:
+            batch_prompts = prompts(batch)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            outs = llm.generate(batch_prompts, params, lora_request=request, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t1
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            rows.append(dict(base, batch=batch, status="ok" if tokens == batch * spec.gen_len else
+                             f"check_failed: {tokens} tokens generated, want {batch * spec.gen_len}",
+                             wall_s=round(wall, 3), tokens=tokens, tokens_per_s=round(tokens / wall, 1),
+                             ms_per_token_step=round(1000 * wall / spec.gen_len, 3), init_s=round(init_s, 1)))  # fmt: skip
+        return rows
+    except BaseException as e:  # noqa: BLE001 - a failed engine is rows with its status
+        return [dict(base, batch=b, status=e2e._classify(e), traceback=traceback.format_exc()[-2500:])
+                for b in spec.batches]  # fmt: skip
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """``vs_bf16_merged``: tokens/s over the merged-BF16 arm's at the same size and batch."""
+    ref = {(r["size"], r["batch"]): r["tokens_per_s"] for r in rows
+           if r["arm"] == "bf16_merged" and r.get("status") == "ok"}  # fmt: skip
+    for r in rows:
+        base = ref.get((r["size"], r["batch"]))
+        r["vs_bf16_merged"] = round(r["tokens_per_s"] / base, 3) if base and r.get("status") == "ok" else None
+    ceiling = {(r["size"], r["batch"]): r["tokens_per_s"] for r in rows if r["arm"] == "nvfp4" and r["status"] == "ok"}
+    for r in rows:
+        top = ceiling.get((r["size"], r["batch"]))
+        if r["arm"] not in ("nvfp4", "bf16_merged"):
+            r["lora_overhead_vs_nvfp4"] = round(top / r["tokens_per_s"] - 1, 3) if top and r["status"] == "ok" else None
+
+
+# ------------------------------------------------------------------------------------------ driver
+def main(argv: list[str] | None = None) -> str | None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="*", default=["7b"], help="of benchmarks/e2e_step.py's SIZES")
+    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--batches", nargs="*", type=int, default=list(BATCHES))
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=512)
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints (shared with e2e_step.py)")
+    ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        spec = EngineSpec(**{**json.loads(a.child), "batches": tuple(json.loads(a.child)["batches"])})
+        with open(a.rows_out, "w") as f:
+            json.dump(run_engine(spec, a.work), f, default=str)
+        return None
+    from benchmarks import e2e_step as e2e
+    from benchmarks._common import write_result
+
+    rows: list[dict] = []
+    for size in a.sizes:
+        need_bf16 = "bf16_merged" in a.arms and size in e2e.BF16_MAX_SIZE
+        e2e.prepare_checkpoints(a.work, size, need_bf16=need_bf16)
+        for arm in a.arms:
+            spec = EngineSpec(size, arm, tuple(a.batches), a.prompt_len, a.gen_len, a.lora_r)
+            out = os.path.join(a.work, "rollout-rows.json")
+            if os.path.exists(out):
+                os.remove(out)
+            cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(spec)), "--work", a.work,
+                   "--rows-out", out]  # fmt: skip
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+                log = proc.stdout[-2000:] + proc.stderr[-3000:]
+            except subprocess.TimeoutExpired:
+                log = f"timeout after {a.timeout:.0f} s"
+            if os.path.exists(out):
+                with open(out) as f:
+                    got = json.load(f)
+            else:
+                got = [dict(size=size, arm=arm, batch=b, status=f"failed: {log[-300:]}", log_tail=log)
+                       for b in a.batches]  # fmt: skip
+            rows += got
+            for r in got:
+                print(json.dumps({k: r.get(k) for k in ("size", "arm", "batch", "tokens_per_s", "status")}), flush=True)
+    add_speedups(rows)
+    path = write_result("rollout", rows, a.out_dir)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
