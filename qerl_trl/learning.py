@@ -309,7 +309,7 @@ def _curve_callback(records: _Records, score, eval_every: int, prompt_hashes: li
         def on_log(self, args, state, control, logs=None, **kw):
             if not logs or "reward" not in logs:
                 return
-            row = {name: float(logs[key]) for key, name in STEP_KEYS.items() if key in logs}
+            row = {name: float(logs[key]) for key, name in STEP_KEYS.items() if logs.get(key) is not None}
             row.setdefault("aqn_sigma", 0.0)
             wall = time.perf_counter() - self.t_begin - self.eval_s
             if prompt_hashes:
