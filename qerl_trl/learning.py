@@ -10,7 +10,8 @@ early in RL, that AQN turns this into faster reward growth, and that the final a
 
 Within a seed every arm gets the same training problems in the same order (TRL's sampler is seeded by
 ``args.seed``), the same prompts, learning rate and LoRA shape. Per step a run records TRL's logged metrics (mean
-reward, policy entropy, completion length), the AQN σ and the training wall time; every ``eval_every`` steps it
+reward, policy entropy, completion length, vLLM's log-prob gap to the trainer), the AQN σ and the training wall
+time; every ``eval_every`` steps it
 scores held-out problems greedily on the noise-free HF policy (:func:`qerl_trl.evaluation.greedy_accuracy`).
 
 Each run is a child process with its own vLLM engine, so several share one GPU (``parallel``). vLLM sizes its KV
@@ -55,6 +56,8 @@ STEP_KEYS = {
     "completions/mean_length": "completion_length",
     "frac_reward_zero_std": "frac_reward_zero_std",
     "aqn/sigma": "aqn_sigma",
+    # vLLM's log-probs of the rollouts against the trainer's: how far the engine's policy is from the trained one
+    "sampling/sampling_logp_difference/mean": "vllm_logprob_gap",
 }
 
 
