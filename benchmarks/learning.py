@@ -56,7 +56,8 @@ def mark_invalid(runs: list[dict], marks: list[str]) -> None:
 def main(argv: list[str] | None = None) -> str:
     from transformers import HfArgumentParser
 
-    from qerl_trl.learning import LearningConfig, format_summary, load_runs, plot_curves, run_comparison, summarize
+    from qerl_trl.learning import LearningConfig, run_comparison
+    from qerl_trl.learning_report import format_summary, load_runs, plot_curves, summarize
 
     parser = HfArgumentParser((LearningConfig, ReportArgs))
     cfg, rep = parser.parse_args_into_dataclasses(args=argv)

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)

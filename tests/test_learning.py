@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from qerl_trl.learning import ARMS, LearningConfig, summarize, verdict
+from qerl_trl.learning import ARMS, LearningConfig
+from qerl_trl.learning_report import summarize, verdict
 
 
 def test_config_rejects_bad_input_with_what_to_do():
