@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     import torch
 
-    from benchmarks._common import result_envelope
+    from benchmarks._common import gpu_tag, result_envelope
 
     spec = e2e.RowSpec(a.size, "qerl", a.prompts, a.generations, a.completion_len, sleep=False, generation=a.generation)
     prep = e2e.prepare_checkpoints(a.work, a.size, need_bf16=False)
@@ -239,11 +239,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(run_mode(mode, spec, a.work, a.steps, a.timeout))
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("log_tail", "traceback")}), flush=True)
     env = result_envelope("multi_gpu", rows, "python benchmarks/multi_gpu.py " + " ".join(argv or sys.argv[1:]))
-    tag = env["gpu"].lower()
-    from benchmarks._common import gpu_tag
-
+    tag = gpu_tag()
     os.makedirs(a.out_dir, exist_ok=True)
-    path = os.path.join(a.out_dir, f"multi_gpu-{gpu_tag()}x{max(gpus, 1)}.json" if tag != "cpu" else "multi_gpu-cpu.json")
+    path = os.path.join(a.out_dir, f"multi_gpu-{tag}x{gpus}.json" if tag != "cpu" else "multi_gpu-cpu.json")
     with open(path, "w") as f:
         json.dump(env, f, indent=1, default=str)
     print(f"wrote {path}")

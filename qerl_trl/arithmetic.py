@@ -106,11 +106,15 @@ class ArithmeticTask:
             for p in problems
         ]
 
-    def dataset(self, n: int, seed: int, exclude: tuple[Problem, ...] | list[Problem] = ()):
-        """:meth:`problems` as a ``datasets.Dataset`` with :meth:`rows`' columns."""
+    def to_dataset(self, problems: list[Problem]):
+        """``problems`` as a ``datasets.Dataset`` with :meth:`rows`' columns."""
         from datasets import Dataset
 
-        return Dataset.from_list(self.rows(self.problems(n, seed, exclude)))
+        return Dataset.from_list(self.rows(problems))
+
+    def dataset(self, n: int, seed: int, exclude: tuple[Problem, ...] | list[Problem] = ()):
+        """:meth:`problems` as a ``datasets.Dataset`` (:meth:`to_dataset`)."""
+        return self.to_dataset(self.problems(n, seed, exclude))
 
 
 TASKS: dict[str, ArithmeticTask] = {

@@ -179,7 +179,7 @@ def run_demo(
 
     model_path = model or str(prepare_model())
     held_problems = TASK.problems(eval_size, seed=seed + 10_000)
-    held_out = TASK.dataset(eval_size, seed=seed + 10_000)
+    held_out = TASK.to_dataset(held_problems)
     # Distinct training problems; when a long run needs more than exist, the trainer repeats them (epochs).
     n_train = min(steps * prompts_per_step, TASK.count_free(held_problems))
     train = TASK.dataset(n_train, seed=seed, exclude=held_problems)

@@ -160,9 +160,7 @@ def build_datasets(cfg: LearningConfig, seed: int):
         task = TASKS[cfg.task]
         held = task.problems(cfg.eval_size, seed=10_000)
         n_train = min(cfg.train_size or cfg.max_steps * cfg.prompts_per_step, task.count_free(held))
-        from datasets import Dataset
-
-        return task.dataset(n_train, seed=seed, exclude=held), Dataset.from_list(task.rows(held))
+        return task.dataset(n_train, seed=seed, exclude=held), task.to_dataset(held)
     from datasets import load_dataset
 
     def load(split: str, n: int | None):

@@ -45,6 +45,32 @@ def tiny_model(arch: str = "qwen2", dtype: torch.dtype = torch.bfloat16, seed: i
     return model.eval()
 
 
+#: The SmolLM2-135M-Instruct GGUF the GPU bundle unpacks (BUNDLE_EXTRA); the real small model of the GPU tests.
+SMOLLM2_GGUF = os.environ.get("QERL_SMOLLM_GGUF", "/tmp/gpu-extra/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture
+def smollm2_gguf() -> str:
+    """The SmolLM2 GGUF path; skips without vLLM or the file."""
+    pytest.importorskip("vllm")
+    if not os.path.exists(SMOLLM2_GGUF):
+        pytest.skip(f"SmolLM2 GGUF not found at {SMOLLM2_GGUF} (set QERL_SMOLLM_GGUF)")
+    return SMOLLM2_GGUF
+
+
+@pytest.fixture
+def smollm2_checkpoints(smollm2_gguf, tmp_path):
+    """``(bf16_dir, nvfp4_dir)`` of SmolLM2, made from the GGUF by the demo's own ``prepare_smollm2``."""
+    import shutil
+
+    from qerl_trl.demo import GGUF_MEMBER, prepare_smollm2
+
+    cache = tmp_path / "smollm2"
+    (cache / GGUF_MEMBER).parent.mkdir(parents=True)
+    shutil.copyfile(smollm2_gguf, cache / GGUF_MEMBER)
+    return prepare_smollm2(cache)
+
+
 def has_cuda() -> bool:
     return torch.cuda.is_available()
 

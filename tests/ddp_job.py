@@ -87,7 +87,7 @@ def main() -> None:
         grpo_trainer.ensure_cached_checkpoint = recorded_ensure
         model, _ = QeRLGRPOTrainer._load_nvfp4_model(a.model, args)
         tokenizer = AutoTokenizer.from_pretrained(a.model)
-        path = QeRLGRPOTrainer._vllm_checkpoint(None, model, a.model, False, tokenizer, args)  # uses no self
+        path = QeRLGRPOTrainer._vllm_checkpoint(model, a.model, False, tokenizer, args)
         with open(os.path.join(a.out, f"rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps({"event": "cache", "path": path, "written": calls[-1][1]}) + "\n")
         return

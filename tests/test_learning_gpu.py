@@ -4,27 +4,16 @@ engines sharing one GPU (started one at a time), a few steps each."""
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
-GGUF = os.environ.get("QERL_SMOLLM_GGUF", "/tmp/gpu-extra/SmolLM2-135M-Instruct.Q4_1.gguf")
 
-
-def test_compare_three_arms_share_one_gpu_on_smollm2(tmp_path):
-    pytest.importorskip("vllm")
-    if not os.path.exists(GGUF):
-        pytest.skip(f"SmolLM2 GGUF not found at {GGUF} (set QERL_SMOLLM_GGUF)")
-    from qerl_trl.demo import GGUF_MEMBER, prepare_smollm2
+def test_compare_three_arms_share_one_gpu_on_smollm2(tmp_path, smollm2_checkpoints):
     from qerl_trl.learning import ARMS, LearningConfig, run_comparison
 
-    cache = tmp_path / "cache"
-    (cache / GGUF_MEMBER).parent.mkdir(parents=True)
-    shutil.copyfile(GGUF, cache / GGUF_MEMBER)
-    bf16, nvfp4 = prepare_smollm2(cache)
+    bf16, nvfp4 = smollm2_checkpoints
     cfg = LearningConfig(
         model=str(bf16), nvfp4_model=str(nvfp4), seeds=[0], max_steps=4, eval_every=2, eval_size=32,
         aqn_num_stages=2, parallel=3, run_timeout=480, output_dir=str(tmp_path / "cmp"),

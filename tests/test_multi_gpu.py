@@ -3,35 +3,21 @@ the real SmolLM2-135M-Instruct, quantized to NVFP4 on load. Skips cleanly on a m
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
 from test_ddp import by_event, launch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.multi_gpu]
-
-GGUF = os.environ.get("QERL_SMOLLM_GGUF", "/tmp/gpu-extra/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-@pytest.fixture
-def smollm2_bf16(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
-    pytest.importorskip("vllm")
-    if not os.path.exists(GGUF):
-        pytest.skip(f"SmolLM2 GGUF not found at {GGUF} (set QERL_SMOLLM_GGUF)")
-    from qerl_trl.demo import GGUF_MEMBER, prepare_smollm2
-
-    cache = tmp_path / "demo-cache"
-    (cache / GGUF_MEMBER).parent.mkdir(parents=True)
-    shutil.copyfile(GGUF, cache / GGUF_MEMBER)
-    return prepare_smollm2(cache)[0]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.vllm,
+    pytest.mark.multi_gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
 
 
-def test_ddp_two_ranks_vllm_colocate(tmp_path, smollm2_bf16):
+def test_ddp_two_ranks_vllm_colocate(tmp_path, smollm2_checkpoints):
+    smollm2_bf16 = smollm2_checkpoints[0]
     cache = tmp_path / "nvfp4-cache"  # empty: both ranks start together, the checkpoint must be written once
     common = ["--model", str(smollm2_bf16), "--use_vllm", "--cache_dir", str(cache), "--max_steps", "4",
               "--save_steps", "2"]  # fmt: skip

@@ -51,7 +51,7 @@ def test_trainer_check_stops_every_rank_when_any_rank_is_bad():
             return torch.cat([t, torch.ones_like(t)])
 
     fake = SimpleNamespace(
-        args=SimpleNamespace(vllm_max_logprob_gap=2.0), accelerator=Accelerator(), state=SimpleNamespace(global_step=0)
+        _rollout_guard=RolloutPolicyGuard(2.0), accelerator=Accelerator(), state=SimpleNamespace(global_step=0)
     )
     healthy = {"sampling_per_token_logps": torch.full((2, 3), -1.0), "old_per_token_logps": torch.full((2, 3), -1.05),
                "completion_mask": torch.ones(2, 3)}  # fmt: skip

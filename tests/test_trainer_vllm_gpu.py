@@ -8,17 +8,12 @@ import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
-GGUF = os.environ.get("QERL_SMOLLM_GGUF", "/tmp/gpu-extra/SmolLM2-135M-Instruct.Q4_1.gguf")
 
-
-def test_colocate_vllm_lora_aqn_marlin(tmp_path):
-    pytest.importorskip("vllm")
-    if not os.path.exists(GGUF):
-        pytest.skip(f"SmolLM2 GGUF not found at {GGUF} (set QERL_SMOLLM_GGUF)")
+def test_colocate_vllm_lora_aqn_marlin(tmp_path, smollm2_gguf):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from benchmarks.colocate_check import run_check
 
-    rows = run_check(GGUF, str(tmp_path), max_steps=6)
+    rows = run_check(smollm2_gguf, str(tmp_path), max_steps=6)
     bad = [r for r in rows if r["ok"] is False]
     assert not bad, bad
     checks = {r["check"] for r in rows}

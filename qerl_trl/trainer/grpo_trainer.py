@@ -189,6 +189,13 @@ class QeRLGRPOTrainer(GRPOTrainer):
                     reward_processing_classes, callbacks, optimizers, None, peft_config, **kwargs,
                 )  # fmt: skip
         from .distributed import exclude_nvfp4_base_from_ddp
+        from .rollout_guard import RolloutPolicyGuard
+
+        self._rollout_guard = (
+            RolloutPolicyGuard(args.vllm_max_logprob_gap)
+            if args.use_vllm and args.vllm_max_logprob_gap is not None
+            else None
+        )
 
         exclude_nvfp4_base_from_ddp(self.model)  # frozen, identical on every rank: DDP must not broadcast it
         if args.use_vllm and not args.vllm_importance_sampling_correction:
@@ -236,7 +243,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 "load it with AutoModelForCausalLM.from_pretrained(..., quantization_config=qerl_trl.NVFP4Config())."
             )
 
-    def _vllm_checkpoint(self, model, source, source_is_nvfp4, processing_class, args) -> str:
+    @staticmethod
+    def _vllm_checkpoint(model, source, source_is_nvfp4, processing_class, args) -> str:
         """The NVFP4A16 checkpoint vLLM serves: the user's own, or one written once into the cache dir."""
         if source is not None and source_is_nvfp4:
             return source
@@ -287,7 +295,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         """TRL's, then the rollout-policy check (see ``rollout_guard``) on the round's two sets of log-probs."""
         output = super()._generate_and_score_completions(inputs)
-        if self.use_vllm and self.model.training and self.args.vllm_max_logprob_gap is not None:
+        if self._rollout_guard is not None and self.model.training:
             self._check_rollout_policy(output)
         return output
 
@@ -295,10 +303,6 @@ class QeRLGRPOTrainer(GRPOTrainer):
         sampling, trainer = output.get("sampling_per_token_logps"), output.get("old_per_token_logps")
         if sampling is None or trainer is None:  # TRL computes them with vllm_importance_sampling_correction
             return
-        from .rollout_guard import RolloutPolicyGuard
-
-        if getattr(self, "_rollout_guard", None) is None:
-            self._rollout_guard = RolloutPolicyGuard(self.args.vllm_max_logprob_gap)
         guard = self._rollout_guard
         gap, nan_fraction = guard.measure(sampling, trainer, output["completion_mask"])
         local_bad = torch.tensor([float(guard.is_bad(gap, nan_fraction))], device=self.accelerator.device)
