@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -431,6 +431,21 @@ def read_records(path: Path) -> list[dict]:
     return out
 
 
+# A process that already ran a colocated trainer keeps its torch.distributed rendezvous (TRL 1.16's
+# ensure_master_addr_port prefers port 29500 and exports it): a child inheriting MASTER_PORT would try to listen on
+# the parent's port (EADDRINUSE). Each run is its own single-process job, so it picks a free port itself.
+_RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def child_env(parent: Mapping[str, str], threads: int) -> dict[str, str]:
+    """The environment of one run's child process: the parent's, without its distributed rendezvous, with a
+    share of the CPU threads."""
+    env = {k: v for k, v in parent.items() if k not in _RENDEZVOUS_ENV}
+    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    return env
+
+
 def _run_wave(cfg: LearningConfig, work: Path, wave_runs: list[RunSpec], index: int) -> None:
     """Start every run of the wave as a child process; wait for all (killing those past ``run_timeout``)."""
     wave = work / "waves" / f"{index}-{os.getpid()}-{int(time.time())}"
@@ -438,7 +453,7 @@ def _run_wave(cfg: LearningConfig, work: Path, wave_runs: list[RunSpec], index: 
     config_path = wave / "config.json"
     config_path.write_text(json.dumps(asdict(cfg)))
     threads = max(1, (os.cpu_count() or 2) // len(wave_runs))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = child_env(os.environ, threads)
     procs = []
     for run in wave_runs:
         path = work / "runs" / f"{run.name}.jsonl"

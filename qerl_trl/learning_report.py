@@ -39,8 +39,25 @@ def load_runs(work: Path, specs: list[RunSpec]) -> list[dict]:
         for name in [*STEP_KEYS.values(), "wall_s", "prompts_sha"]:
             run["steps"][name] = [r.get(name) for r in steps]
         run["evals"] = {"step": [r["step"] for r in evals], "accuracy": [r["accuracy"] for r in evals]}
+        earlier = earlier_attempts(Path(work) / "runs", spec.name)
+        if earlier:
+            run["earlier_attempts"] = earlier
         runs.append(run)
     return runs
+
+
+def earlier_attempts(runs_dir: Path, name: str) -> list[dict]:
+    """How the unfinished attempts of a run ended (the ``<run>.<time>.partial`` files a restart keeps), oldest
+    first: a row that is ``ok`` on a retry says so, with the earlier attempt's failure."""
+    out = []
+    for path in sorted(runs_dir.glob(f"{name}.*.partial"), key=lambda p: int(p.suffixes[-2].lstrip("."))):
+        records = read_records(path)
+        end = next((r for r in reversed(records) if r.get("event") == "end"), None)
+        out.append({
+            "status": end["status"] if end else "killed", "stage": end.get("stage") if end else None,
+            "steps": sum(r.get("event") == "step" for r in records), "error": end.get("error") if end else None,
+        })  # fmt: skip
+    return out
 
 
 def _mean(xs: list) -> float | None:

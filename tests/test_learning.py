@@ -138,6 +138,24 @@ def test_a_failing_run_is_kept_as_a_row_and_the_rest_go_on(tmp_path):
     assert runs["bf16_lora"]["status"] == "ok"
     assert runs["nvfp4_lora"]["status"] == "failed" and "missing" in runs["nvfp4_lora"]["error"]
 
+    # run again with the input fixed: only the failed run trains, and its row keeps how the first attempt ended
+    cfg.nvfp4_model = None
+    runs = {r["arm"]: r for r in run_comparison(cfg)["runs"]}
+    assert runs["nvfp4_lora"]["status"] == "ok" and runs["nvfp4_lora"]["steps"]["step"] == [1]
+    (earlier,) = runs["nvfp4_lora"]["earlier_attempts"]
+    assert earlier["status"] == "failed" and earlier["stage"] == "init" and "missing" in earlier["error"]
+    assert "earlier_attempts" not in runs["bf16_lora"]
+
+
+def test_child_runs_do_not_inherit_the_parents_distributed_rendezvous():
+    from qerl_trl.learning import child_env
+
+    parent = {"PATH": "/bin", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "1",
+              "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "16"}  # fmt: skip
+    env = child_env(parent, threads=2)
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    assert parent["MASTER_PORT"] == "29500"  # the parent's own environment is left as it was
+
 
 def _write_runs(work, arms, seeds, steps=4):
     (work / "runs").mkdir(parents=True)
