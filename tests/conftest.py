@@ -79,6 +79,9 @@ def pytest_collection_modifyitems(config, items):
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine with `pytest -m gpu`)")
+    vllm_on_cpu = os.environ.get("QERL_VLLM_ON_CPU") == "1"
     for item in items:
+        if vllm_on_cpu and "vllm_on_cpu" in item.keywords:
+            continue
         if "gpu" in item.keywords or "vllm" in item.keywords:
             item.add_marker(skip)

@@ -1,0 +1,205 @@
+"""vLLM quantization method ``qerl_nvfp4_lora``: compressed-tensors NVFP4A16 with the policy's one LoRA built into
+each linear layer. Written against vLLM 0.24.0 (``CompressedTensorsConfig``, ``LinearMethodBase``, the linear layer
+classes' ``tp_rank`` / ``num_kv_head_replicas`` attributes).
+
+Why: an RL run serves exactly one adapter that changes every step. vLLM's multi-LoRA machinery (punica kernels,
+index mappings, adapter files, ``LoRARequest``) costs about 30% of NVFP4 decode at 7B for generality this job does
+not use. Here each targeted linear layer holds the LoRA as two buffers, ``qerl_lora_a`` ``[S*r, in_local]`` and
+``qerl_lora_b`` ``[out_local, S*r]`` (layout: :mod:`.lora_shards`), and its forward is the NVFP4 kernel's output
+plus one shrink and one expand GEMM. The trainer copies each step's A and B into the buffers in place
+(:func:`push_lora_in_place`), so CUDA graphs and torch.compile see the new adapter with nothing re-captured.
+
+The engine is asked for it with ``LLM(..., quantization="qerl_nvfp4_lora", hf_overrides={"quantization_config":
+<the checkpoint's compressed-tensors config + {"qerl_lora": {"rank": r, "target_modules": [...]}}>})``
+(:func:`lora_quantization_overrides`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.linear import (
+    WEIGHT_LOADER_V2_SUPPORTED,
+    ColumnParallelLinear,
+    LinearBase,
+    LinearMethodBase,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
+
+QUANT_NAME = "qerl_nvfp4_lora"
+LORA_KEY = "qerl_lora"
+
+__all__ = [
+    "QUANT_NAME",
+    "LORA_KEY",
+    "SingleLoRALinearMethod",
+    "QeRLNVFP4LoRAConfig",
+    "lora_quantization_overrides",
+    "push_lora_in_place",
+    "layer_lora_plan",
+]
+
+
+def layer_lora_plan(
+    layer: nn.Module, names: list[str], output_partition_sizes: list[int], input_size_per_partition: int, rank: int
+) -> LoRAShardPlan:
+    """This rank's LoRA layout for a vLLM linear layer packing ``names`` (called from ``create_weights``)."""
+    if isinstance(layer, RowParallelLinear):
+        if len(names) != 1:
+            raise ValueError(f"A row-parallel layer holds one linear, got {names}.")
+        return row_parallel_plan(names[0], sum(output_partition_sizes), input_size_per_partition, layer.tp_rank, rank)
+    if len(names) != len(output_partition_sizes):
+        raise ValueError(
+            f"{type(layer).__name__} packs {len(output_partition_sizes)} linears but the LoRA names are {names}: "
+            "the model class declares no packed_modules_mapping for it, which the single-LoRA path needs."
+        )
+    if isinstance(layer, QKVParallelLinear):
+        kv_shard = layer.tp_rank // layer.num_kv_head_replicas
+        shards = [layer.tp_rank, kv_shard, kv_shard]
+    elif isinstance(layer, ColumnParallelLinear):  # also MergedColumnParallelLinear: every output split evenly
+        shards = [layer.tp_rank] * len(names)
+    elif isinstance(layer, ReplicatedLinear):
+        shards = [0] * len(names)
+    else:
+        raise TypeError(f"The single-LoRA path does not know how {type(layer).__name__} is sharded.")
+    return column_parallel_plan(names, output_partition_sizes, input_size_per_partition, rank, shards)
+
+
+class SingleLoRALinearMethod(LinearMethodBase):
+    """Any vLLM linear method (here the compressed-tensors NVFP4A16 one) plus one LoRA: ``inner(x) + x A^T B^T``."""
+
+    def __init__(self, inner: LinearMethodBase, names: list[str], rank: int):
+        self.inner = inner
+        self.names = list(names)
+        self.rank = int(rank)
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        # The layer chose its weight loader by *our* class name (vLLM's WEIGHT_LOADER_V2_SUPPORTED); the inner
+        # method's parameters need the one vLLM would have chosen for it (v2 for compressed-tensors).
+        v2 = type(self.inner).__name__ in WEIGHT_LOADER_V2_SUPPORTED
+        extra_weight_attrs["weight_loader"] = layer.weight_loader_v2 if v2 else layer.weight_loader
+        self.inner.create_weights(
+            layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype,
+            **extra_weight_attrs,
+        )  # fmt: skip
+        plan = layer_lora_plan(layer, self.names, output_partition_sizes, input_size_per_partition, self.rank)
+        (ra, ca), (rb, cb) = plan.buffer_shapes()
+        layer.qerl_lora_plan = plan
+        # Buffers, not parameters: the checkpoint has no such tensors and vLLM's loaders must not look for them.
+        # Allocated here, inside the loader's device context and the "weights" memory pool (sleep level 1 keeps them).
+        layer.register_buffer("qerl_lora_a", torch.zeros(ra, ca, dtype=params_dtype), persistent=False)
+        layer.register_buffer("qerl_lora_b", torch.zeros(rb, cb, dtype=params_dtype), persistent=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.inner.apply(layer, x, bias)
+        shrunk = torch.matmul(x, layer.qerl_lora_a.t())
+        return torch.addmm(y.reshape(-1, y.shape[-1]), shrunk.reshape(-1, shrunk.shape[-1]), layer.qerl_lora_b.t()).view(
+            y.shape
+        )
+
+
+@register_quantization_config(QUANT_NAME)
+class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
+    """compressed-tensors (NVFP4A16) checkpoints, with :class:`SingleLoRALinearMethod` on the LoRA's linears."""
+
+    lora_rank: int
+    lora_targets: frozenset[str]
+
+    def get_name(self) -> str:  # type: ignore[override]
+        return QUANT_NAME
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QeRLNVFP4LoRAConfig:
+        config = dict(config)
+        spec = config.pop(LORA_KEY, None)
+        if not isinstance(spec, Mapping) or "rank" not in spec or not spec.get("target_modules"):
+            raise ValueError(
+                f"quantization={QUANT_NAME!r} needs quantization_config[{LORA_KEY!r}] = {{'rank': r, "
+                "'target_modules': [...]}}; build the engine's overrides with lora_quantization_overrides()."
+            )
+        self = super().from_config(config)
+        self.lora_rank = int(spec["rank"])
+        self.lora_targets = frozenset(spec["target_modules"])
+        return self
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None):
+        if user_quant == QUANT_NAME and hf_quant_cfg.get("quant_method") == "compressed-tensors":
+            return QUANT_NAME
+        return None
+
+    def lora_names(self, prefix: str) -> list[str]:
+        """The linears a layer packs, if the LoRA targets any of them (else [])."""
+        last = prefix.rsplit(".", 1)[-1]
+        names = list(self.packed_modules_mapping.get(last, [last]))
+        return names if any(n in self.lora_targets for n in names) else []
+
+    def get_quant_method(self, layer: nn.Module, prefix: str):
+        method = super().get_quant_method(layer, prefix)
+        if isinstance(layer, LinearBase) and isinstance(method, LinearMethodBase):
+            names = self.lora_names(prefix)
+            if names:
+                return SingleLoRALinearMethod(method, names, self.lora_rank)
+        return method
+
+
+def lora_quantization_overrides(checkpoint_config: Mapping[str, Any], rank: int, target_modules: Iterable[str]) -> dict:
+    """``hf_overrides`` for ``LLM(...)``: the checkpoint's ``quantization_config`` plus the LoRA's rank and targets
+    (leaf module names such as ``q_proj``)."""
+    quant = checkpoint_config.get("quantization_config")
+    if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
+        raise ValueError(
+            f"The single-LoRA vLLM path serves compressed-tensors NVFP4A16 checkpoints; this one has "
+            f"quantization_config={quant!r}."
+        )
+    targets = sorted(set(target_modules))
+    if not targets:
+        raise ValueError("The LoRA targets no module.")
+    return {"quantization_config": {**quant, LORA_KEY: {"rank": int(rank), "target_modules": targets}}}
+
+
+def push_lora_in_place(model: nn.Module, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> int:
+    """Copy the trainer's LoRA into every single-LoRA layer of vLLM's ``model`` (run inside the engine, e.g. through
+    ``LLM.apply_model``). ``adapters``: full ``(A [r, in], B [out, r])`` keyed by the module's name in vLLM's tree
+    (``model.layers.0.self_attn.q_proj``). Every adapter must land somewhere; returns the number of layers filled."""
+    used: set[str] = set()
+    layers = 0
+    for prefix, module in model.named_modules():
+        plan = getattr(module, "qerl_lora_plan", None)
+        if plan is None:
+            continue
+        parent = prefix.rpartition(".")[0]
+        mine = {s.name: adapters[f"{parent}.{s.name}"] for s in plan.slots if f"{parent}.{s.name}" in adapters}
+        device = module.qerl_lora_a.device
+        mine = {k: (a.to(device, non_blocking=True), b.to(device, non_blocking=True)) for k, (a, b) in mine.items()}
+        fill_lora_buffers(plan, module.qerl_lora_a, module.qerl_lora_b, mine, scaling)
+        used.update(f"{parent}.{n}" for n in mine)
+        layers += 1
+    missing = sorted(set(adapters) - used)
+    if missing:
+        raise KeyError(
+            f"{len(missing)} LoRA modules have no single-LoRA layer in vLLM's model, e.g. {missing[:3]}: the engine "
+            "was built for other target modules."
+        )
+    return layers

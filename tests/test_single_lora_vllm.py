@@ -1,0 +1,274 @@
+"""vLLM's own linear layers (QKV, merged gate/up, row-parallel o/down) with the single-LoRA method, on every rank of
+a tensor-parallel group: after ``push_lora_in_place`` each layer's output is the trainer's ``x W^T + s x A^T B^T``.
+
+The base weights go through vLLM's weight loaders; the inner linear method is a plain matmul so the LoRA layout and
+sharding are checked apart from the NVFP4 kernel (the colocate GPU tests run the whole path on NVFP4).
+Marked ``vllm``: it needs vLLM. On a GPU machine it runs on CUDA with NCCL (TP=2 needs two GPUs); with
+``QERL_VLLM_ON_CPU=1`` and a vLLM install that imports on CPU, it runs on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_on_cpu]
+
+HIDDEN, HEADS, KV_HEADS, HEAD, INTER, RANK, SCALING = 64, 8, 2, 8, 96, 4, 2.0
+PREFIX = "model.layers.0"
+
+
+def _device_setup() -> str:
+    if os.environ.get("QERL_VLLM_ON_CPU") == "1":
+        import vllm.platforms as platforms
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()  # a CUDA build of vLLM on a machine without a GPU
+        return "cpu"
+    return "cuda"
+
+
+def _full_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = {"q_proj": (HEADS * HEAD, HIDDEN), "k_proj": (KV_HEADS * HEAD, HIDDEN), "v_proj": (KV_HEADS * HEAD, HIDDEN),
+              "o_proj": (HIDDEN, HEADS * HEAD), "gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN),
+              "down_proj": (HIDDEN, INTER)}  # fmt: skip
+    out = {}
+    for name, (o, i) in shapes.items():
+        out[name] = torch.randn(o, i, generator=g, dtype=torch.float32) / i**0.5
+        out[name + ".A"] = torch.randn(RANK, i, generator=g, dtype=torch.float32) / i**0.5
+        out[name + ".B"] = torch.randn(o, RANK, generator=g, dtype=torch.float32) / RANK**0.5
+    return out
+
+
+def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: str, results) -> None:
+    device = _device_setup()
+    from torch import nn
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.linear import (
+        LinearMethodBase,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    from qerl_trl.vllm_plugin.single_lora import SingleLoRALinearMethod, push_lora_in_place
+
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    class PlainMethod(LinearMethodBase):
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                           params_dtype, **extra):  # fmt: skip
+            from vllm.model_executor.parameter import ModelWeightParameter
+
+            w = ModelWeightParameter(data=torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                                                      dtype=params_dtype), input_dim=1, output_dim=0,
+                                     weight_loader=extra["weight_loader"])  # fmt: skip
+            layer.register_parameter("weight", w)
+
+        def apply(self, layer, x, bias=None):
+            return torch.nn.functional.linear(x, layer.weight, bias)
+
+    class LoRAOnPlain(QuantizationConfig):
+        def get_name(self):
+            return "qerl-test"
+
+        def get_supported_act_dtypes(self):
+            return [torch.float32]
+
+        @classmethod
+        def get_min_capability(cls):
+            return 0
+
+        @staticmethod
+        def get_config_filenames():
+            return []
+
+        @classmethod
+        def from_config(cls, config):
+            return cls()
+
+        def get_quant_method(self, layer, prefix):
+            last = prefix.rsplit(".", 1)[-1]
+            names = packed.get(last, [last])
+            if any(n in targets for n in names):
+                return SingleLoRALinearMethod(PlainMethod(), names, RANK)
+            return PlainMethod()
+
+    dtype = torch.float32 if mode == "plain" else torch.bfloat16
+    torch.set_default_dtype(dtype)
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=tp_rank,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     backend="gloo" if device == "cpu" else "nccl")  # fmt: skip
+        initialize_model_parallel(tp_size)
+        if device == "cuda":
+            torch.cuda.set_device(tp_rank)
+        torch.set_default_device(device)
+        if mode == "plain":
+            q = LoRAOnPlain()
+        else:  # the registered quantization config on a compressed-tensors NVFP4A16 config (what the engine builds)
+            from qerl_trl.quantizer.checkpoint import compressed_tensors_config
+            from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig, lora_quantization_overrides
+
+            if device == "cpu":
+                _dequantizing_nvfp4_kernel()
+            ct = {"quantization_config": compressed_tensors_config([])}
+            q = QeRLNVFP4LoRAConfig.from_config(lora_quantization_overrides(ct, RANK, targets)["quantization_config"])
+            q.packed_modules_mapping = packed
+        qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.qkv_proj")
+        o = RowParallelLinear(HEADS * HEAD, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.o_proj")
+        gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, quant_config=q, prefix=f"{PREFIX}.mlp.gate_up_proj")
+        down = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.mlp.down_proj")
+        torch.set_default_device("cpu")
+
+        full = _full_weights()
+        if mode == "plain":
+            for shard, name in zip("qkv", ["q_proj", "k_proj", "v_proj"]):
+                qkv.weight.weight_loader(qkv.weight, full[name], shard)
+            for shard, name in enumerate(["gate_proj", "up_proj"]):
+                gate_up.weight.weight_loader(gate_up.weight, full[name], shard)
+            o.weight.weight_loader(o.weight, full["o_proj"])
+            down.weight.weight_loader(down.weight, full["down_proj"])
+        else:
+            _load_nvfp4(full, qkv, zip("qkv", ["q_proj", "k_proj", "v_proj"]))
+            _load_nvfp4(full, gate_up, enumerate(["gate_proj", "up_proj"]))
+            _load_nvfp4(full, o, [(None, "o_proj")])
+            _load_nvfp4(full, down, [(None, "down_proj")])
+        for layer in (qkv, o, gate_up, down):
+            layer.quant_method.process_weights_after_loading(layer)
+
+        tree = nn.Module()
+        tree.model = nn.Module()
+        tree.model.layers = nn.ModuleList([nn.Module()])
+        tree.model.layers[0].self_attn = nn.ModuleDict({"qkv_proj": qkv, "o_proj": o})
+        tree.model.layers[0].mlp = nn.ModuleDict({"gate_up_proj": gate_up, "down_proj": down})
+        adapters = {}
+        for name in targets:
+            group = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            adapters[f"{PREFIX}.{group}.{name}"] = (full[name + ".A"], full[name + ".B"])
+        filled = push_lora_in_place(tree, adapters, SCALING)
+
+        x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype).float()
+        xo = torch.randn(5, HEADS * HEAD, generator=torch.Generator().manual_seed(2)).to(dtype).float()
+        xd = torch.randn(5, INTER, generator=torch.Generator().manual_seed(3)).to(dtype).float()
+        dev = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+
+        def ref(name, inp):
+            y = inp @ full[name].T
+            if name in targets:
+                y = y + SCALING * (inp @ full[name + ".A"].T) @ full[name + ".B"].T
+            return y
+
+        def rel(got, want):  # max error relative to the largest reference entry
+            return (got - want).abs().max() / want.abs().max()
+
+        errs = {}
+        out = qkv(dev(x))[0].float().cpu()
+        local_q, local_kv = HEADS * HEAD // tp_size, max(1, KV_HEADS // tp_size) * HEAD
+        kv_shard = tp_rank // max(1, tp_size // KV_HEADS)
+        got_q, got_k, got_v = out.split([local_q, local_kv, local_kv], dim=1)
+        errs["q_proj"] = rel(got_q, ref("q_proj", x)[:, tp_rank * local_q : (tp_rank + 1) * local_q])
+        errs["k_proj"] = rel(got_k, ref("k_proj", x)[:, kv_shard * local_kv : (kv_shard + 1) * local_kv])
+        errs["v_proj"] = rel(got_v, ref("v_proj", x)[:, kv_shard * local_kv : (kv_shard + 1) * local_kv])
+        local_i = INTER // tp_size
+        got_g, got_u = gate_up(dev(x))[0].float().cpu().split([local_i, local_i], dim=1)
+        errs["gate_proj"] = rel(got_g, ref("gate_proj", x)[:, tp_rank * local_i : (tp_rank + 1) * local_i])
+        errs["up_proj"] = rel(got_u, ref("up_proj", x)[:, tp_rank * local_i : (tp_rank + 1) * local_i])
+        lo = HEADS * HEAD // tp_size
+        errs["o_proj"] = rel(o(dev(xo[:, tp_rank * lo : (tp_rank + 1) * lo]))[0].float().cpu(), ref("o_proj", xo))
+        errs["down_proj"] = rel(down(dev(xd[:, tp_rank * local_i : (tp_rank + 1) * local_i]))[0].float().cpu(), ref("down_proj", xd))
+        lora_moves = float((qkv(dev(x))[0].float().cpu()[:, :local_q] - (x @ full["q_proj"].T)[:, tp_rank * local_q : (tp_rank + 1) * local_q]).abs().max())
+    results.put((tp_rank, {k: float(v) for k, v in errs.items()}, filled, lora_moves))
+
+
+def _load_nvfp4(full: dict, layer, shards) -> None:
+    """Quantize the layer's full weights (one global scale per packed layer, as our checkpoints do), load them through
+    vLLM's weight loaders, and keep the dequantized weights in ``full`` as the reference."""
+    from qerl_trl.nvfp4.format import compute_global_scale, dequantize, quantize
+
+    shards = list(shards)
+    gs = compute_global_scale(*(full[name] for _, name in shards))
+    for shard, name in shards:
+        qw = quantize(full[name], gs, name=name)
+        full[name] = dequantize(qw.weight_packed, qw.weight_scale, qw.weight_global_scale, torch.float32)
+        for attr in ("weight_packed", "weight_scale", "weight_global_scale"):
+            param = getattr(layer, attr)
+            args = (param, getattr(qw, attr)) if shard is None else (param, getattr(qw, attr), shard)
+            param.weight_loader(*args)
+
+
+def _dequantizing_nvfp4_kernel() -> None:
+    """On CPU (no Marlin): vLLM's compressed-tensors NVFP4A16 scheme with a kernel that dequantizes and matmuls."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_w4a4_nvfp4 as ct
+
+    from qerl_trl.nvfp4.format import dequantize
+
+    class DequantKernel:
+        def input_quant_key(self):
+            return None  # weight-only: the input stays bf16
+
+        def process_weights_after_loading(self, layer):
+            pass
+
+        def apply_weights(self, layer, x, bias=None):
+            # vLLM has inverted the checkpoint's global scale into a multiplier by now
+            w = dequantize(layer.weight, layer.weight_scale, 1.0 / layer.weight_global_scale.reshape(1), torch.float32)
+            y = (x.float() @ w.T).to(x.dtype)
+            return y if bias is None else y + bias
+
+    ct.init_nvfp4_linear_kernel = lambda use_a16=False: DequantKernel()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tp_size: int, targets: list[str], mode: str = "plain") -> list:
+    pytest.importorskip("vllm")
+    if os.environ.get("QERL_VLLM_ON_CPU") != "1" and torch.cuda.device_count() < tp_size:
+        pytest.skip(f"needs {tp_size} GPU(s) (or QERL_VLLM_ON_CPU=1 with a vLLM that imports on CPU)")
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_job, args=(r, tp_size, port, targets, mode, results)) for r in range(tp_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return sorted(results.get(timeout=10) for _ in procs)
+
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_every_shard_layout_serves_the_trainers_lora(tp_size):
+    for tp_rank, errs, filled, moves in _run(tp_size, ALL):
+        assert filled == 4, (tp_rank, filled)  # qkv, o, gate_up, down
+        assert max(errs.values()) < 1e-5, (tp_rank, errs)
+        assert moves > 1e-2, "the LoRA changed nothing: the check would pass without it"
+
+
+def test_untargeted_linears_keep_the_plain_method_and_partly_targeted_packs_get_zeros():
+    (_, errs, filled, _), = _run(1, ["q_proj", "v_proj", "down_proj"])
+    assert filled == 2  # qkv (k without LoRA) and down; o and gate_up carry no LoRA buffers at all
+    assert max(errs.values()) < 1e-5, errs
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size):
+    """QeRLNVFP4LoRAConfig on vLLM's compressed-tensors NVFP4A16 scheme (Marlin on a GPU; on CPU a dequantizing
+    stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference."""
+    for tp_rank, errs, filled, moves in _run(tp_size, ALL, mode="nvfp4"):
+        assert filled == 4, (tp_rank, filled)
+        assert max(errs.values()) < 2e-2, (tp_rank, errs)  # bf16 activations, LoRA buffers and outputs
+        assert moves > 0.5, moves
