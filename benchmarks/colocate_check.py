@@ -119,7 +119,13 @@ def lora_logprob_check(trainer, perturb: float = 5e-2, n_tokens: int = 32, seed:
         lp = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
         return lp[n_p - 1 :].cpu()
 
-    v_lora, v_base = vllm_lp(llm.lora_request), vllm_lp(None)
+    if llm.adapters:  # lora_backend="vllm": with and without the adapter request
+        v_lora, v_base = vllm_lp(llm.lora_request), vllm_lp(None)
+    else:  # lora_backend="qerl": the LoRA is in the layers; zero it for the base, then sync it back
+        v_lora = vllm_lp(None)
+        gen.clear_lora()
+        v_base = vllm_lp(None)
+        gen.sync_weights()
     h_lora, h_base = hf_lp(True), hf_lp(False)
     ratio = torch.exp(h_lora - v_lora)
     return {
@@ -143,6 +149,7 @@ def run_check(
     max_steps: int = 6,
     sleep_mode: bool = False,
     max_completion_length: int = 48,
+    lora_backend: str = "vllm",
 ) -> list[dict]:
     from datasets import Dataset
 
@@ -174,6 +181,7 @@ def run_check(
         aqn_sigma_end=sigma_end,
         aqn_num_stages=stages,
         nvfp4_cache_dir=os.path.join(work, "cache"),
+        vllm_lora_backend=lora_backend,
         seed=0,
     )
     t0 = time.perf_counter()
@@ -288,8 +296,9 @@ def run_check(
     )
     rows.append(row("losses_finite", [h["loss"] for h in steps], "finite",
                     all(math.isfinite(h["loss"]) for h in steps)))
-    if sleep_mode:
-        for r in rows:
+    for r in rows:
+        r["lora_backend"] = lora_backend
+        if sleep_mode:
             r["check"] = "sleep1/" + r["check"]
     return rows
 
@@ -300,14 +309,16 @@ def main():
     ap.add_argument("--work", default="/tmp/qerl-colocate")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--sleep", action="store_true", help="also vllm_enable_sleep_mode=True (sleep level 1)")
+    ap.add_argument("--lora_backend", default="vllm", choices=["vllm", "qerl"], help="QeRLGRPOConfig.vllm_lora_backend")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from benchmarks._common import gpu_tag, result_envelope
 
-    rows = run_check(a.gguf, a.work, a.steps, sleep_mode=a.sleep)
+    rows = run_check(a.gguf, a.work, a.steps, sleep_mode=a.sleep, lora_backend=a.lora_backend)
     for r in rows:
         print(json.dumps(r, default=str))
-    out = a.out or os.path.join(os.path.dirname(__file__), "results", f"colocate_check-{gpu_tag()}.json")
+    tag = gpu_tag() if a.lora_backend == "vllm" else f"{a.lora_backend}-{gpu_tag()}"
+    out = a.out or os.path.join(os.path.dirname(__file__), "results", f"colocate_check-{tag}.json")
     env = result_envelope("colocate_check", rows, "VLLM_ENABLE_V1_MULTIPROCESSING=0 python " + " ".join(sys.argv))
     env["versions"]["compressed-tensors"] = __import__("importlib.metadata").metadata.version("compressed-tensors")
     with open(out, "w") as f:

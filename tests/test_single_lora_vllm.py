@@ -272,3 +272,39 @@ def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp
         assert filled == 4, (tp_rank, filled)
         assert max(errs.values()) < 2e-2, (tp_rank, errs)  # bf16 activations, LoRA buffers and outputs
         assert moves > 0.5, moves
+
+
+def test_vllm_resolves_the_quantization_method_and_its_lora_spec(tmp_path):
+    """What ``LLM(quantization="qerl_nvfp4_lora", hf_overrides=...)`` resolves, on a real NVFP4A16 checkpoint of
+    ours: vLLM's override hook picks our method, and our config carries the LoRA's rank and targets."""
+    pytest.importorskip("vllm")
+    _device_setup()
+    import json
+
+    from test_examples import tiny_checkpoint
+    from vllm.config import LoadConfig, ModelConfig
+    from vllm.model_executor.model_loader.weight_utils import get_quant_config
+
+    from qerl_trl.cli import quantize_checkpoint
+    from qerl_trl.vllm_plugin import LORA_KEY, QUANT_NAME, lora_quantization_overrides, register
+    from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
+
+    register()
+    ckpt = tmp_path / "nvfp4"
+    quantize_checkpoint(str(tiny_checkpoint(tmp_path / "bf16")), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    overrides = lora_quantization_overrides(config, 16, ["q_proj", "gate_proj"])
+    mc = ModelConfig(model=str(ckpt), quantization=QUANT_NAME, hf_overrides=overrides, dtype="bfloat16")
+    assert mc.quantization == QUANT_NAME
+    qc = get_quant_config(mc, LoadConfig())
+    assert isinstance(qc, QeRLNVFP4LoRAConfig) and qc.get_name() == QUANT_NAME
+    assert qc.lora_rank == 16 and qc.lora_targets == {"q_proj", "gate_proj"}
+    qc.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert qc.lora_names("model.layers.0.self_attn.qkv_proj") == ["q_proj", "k_proj", "v_proj"]
+    assert qc.lora_names("model.layers.0.self_attn.o_proj") == []
+    assert qc.lora_names("model.layers.0.mlp.gate_up_proj") == ["gate_proj", "up_proj"]
+
+    # without the override, the same checkpoint stays plain compressed-tensors (today's vLLM-LoRA path)
+    assert ModelConfig(model=str(ckpt), dtype="bfloat16").quantization == "compressed-tensors"
+    with pytest.raises(ValueError, match=LORA_KEY):
+        QeRLNVFP4LoRAConfig.from_config(config["quantization_config"])

@@ -1,21 +1,35 @@
-"""GPU + vLLM: the colocate run of benchmarks/colocate_check.py must pass every check (see that script)."""
+"""GPU + vLLM: the colocate run of benchmarks/colocate_check.py must pass every check (see that script), for each
+way of serving the LoRA. Each runs in its own process: one colocated engine per process, as in training."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def test_colocate_vllm_lora_aqn_marlin(tmp_path, smollm2_gguf):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from benchmarks.colocate_check import run_check
 
-    rows = run_check(smollm2_gguf, str(tmp_path), max_steps=6)
+@pytest.mark.parametrize("lora_backend", ["vllm", "qerl"])
+def test_colocate_vllm_lora_aqn_marlin(tmp_path, smollm2_gguf, lora_backend):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "colocate_check.py"), "--gguf", smollm2_gguf,
+           "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)  # a fresh single-process job, whatever this process ran before
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = json.loads(out.read_text())["rows"]
+    print("\n".join(json.dumps({k: r.get(k) for k in ("check", "value", "ok")}, default=str) for r in rows))
     bad = [r for r in rows if r["ok"] is False]
     assert not bad, bad
     checks = {r["check"] for r in rows}
     assert {"aqn_absent_stage0", "aqn_sigma_in_vllm", "marlin_nvfp4_kernel", "is_ratio_mean",
             "lora_logprob_match_vllm_vs_trainer", "lora_served_vllm_lora_vs_base"} <= checks
+    assert proc.returncode == 0, proc.stderr[-3000:]

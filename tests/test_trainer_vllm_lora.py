@@ -182,3 +182,62 @@ def test_compile_cache_marker_separates_fp32_norm_engines():
     assert a == vl.compile_cache_marker(["model.layers.0.input_layernorm.weight", "model.norm.weight"])
     assert set(a) == {"qerl_fp32_norms"} and a != vl.compile_cache_marker(["model.norm.weight"])
     json.dumps(a)  # vLLM hashes it as JSON
+
+
+def test_compile_cache_marker_separates_single_lora_specs():
+    # hf_overrides (where the single-LoRA engine learns its rank and targets) is left out of vLLM's compile key
+    base = vl.compile_cache_marker([])
+    r32 = vl.compile_cache_marker([], {"quantization_config": {"qerl_lora": {"rank": 32, "target_modules": ["q_proj"]}}})
+    r16 = vl.compile_cache_marker([], {"quantization_config": {"qerl_lora": {"rank": 16, "target_modules": ["q_proj"]}}})
+    assert len({json.dumps(m, sort_keys=True) for m in (base, r32, r16)}) == 3
+    assert r32["qerl_fp32_norms"] == base["qerl_fp32_norms"] == "none"
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_peft_lora_modules_fold_each_modules_scaling_into_b(use_rslora):
+    model = get_peft_model(
+        tiny_model(dtype=torch.float32),
+        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=use_rslora, lora_dropout=0.0),
+    )
+    with torch.no_grad():  # a non-zero B, so the LoRA moves the output
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    mods = vl.peft_lora_modules(model)
+    assert len(mods) == 2 * 7 and "model.layers.1.mlp.down_proj" in mods  # vLLM's module names
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    a, b = mods["model.layers.0.self_attn.q_proj"]
+    assert a.shape == (8, 64) and b.shape == (q.out_features, 8)
+    x = torch.randn(3, 64)
+    # what the engine computes, base + x A^T (sB)^T, is what PEFT's module computes
+    torch.testing.assert_close(q.base_layer(x) + x @ a.T @ b.T, q(x), rtol=1e-5, atol=1e-5)
+    scaling = 16 / 8**0.5 if use_rslora else 16 / 8
+    torch.testing.assert_close(b, q.lora_B["default"].weight * scaling)
+
+
+def test_lora_serving_llm_without_adapters_passes_generate_through():
+    fake = _FakeLLM()
+    llm = vl.LoRAServingLLM(fake, adapters=False)  # lora_backend="qerl": the LoRA lives in the engine's layers
+    assert llm.generate(["p"], sampling_params=None) == ["out"]
+    assert fake.calls == [("generate", None)]
+
+
+def test_single_lora_overrides_need_a_compressed_tensors_checkpoint():
+    from qerl_trl.vllm_plugin import LORA_KEY, lora_quantization_overrides
+
+    ct = {"quantization_config": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}}
+    out = lora_quantization_overrides(ct, 24, ["v_proj", "q_proj", "q_proj"])
+    assert out["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert out["quantization_config"][LORA_KEY] == {"rank": 24, "target_modules": ["q_proj", "v_proj"]}
+    assert LORA_KEY not in ct["quantization_config"]  # the checkpoint's own config is left alone
+    with pytest.raises(ValueError, match="compressed-tensors NVFP4A16"):
+        lora_quantization_overrides({"quantization_config": {"quant_method": "bitsandbytes"}}, 8, ["q_proj"])
+    with pytest.raises(ValueError, match="targets no module"):
+        lora_quantization_overrides(ct, 8, [])
+
+
+def test_config_rejects_an_unknown_lora_backend():
+    from qerl_trl import QeRLGRPOConfig
+
+    with pytest.raises(ValueError, match="vllm_lora_backend must be 'vllm'"):
+        QeRLGRPOConfig(output_dir="/tmp/x", bf16=False, use_cpu=True, vllm_lora_backend="punica", report_to="none")

@@ -55,6 +55,11 @@ class QeRLGRPOConfig(GRPOConfig):
 
         > vLLM LoRA serving (colocate mode)
 
+        vllm_lora_backend (`str`, defaults to `"vllm"`):
+            How the colocated engine serves the LoRA. `"vllm"`: vLLM's LoRA adapters (punica kernels; the adapter
+            handed over as files each step). `"qerl"`: QeRL's vLLM quantization method `qerl_nvfp4_lora`, which
+            builds the one LoRA into each NVFP4 linear and updates it in place each step (no adapter files, any
+            rank). `"qerl"` is new and has not yet been run on a GPU; it becomes the default once it has.
         vllm_max_lora_rank (`int`, *optional*):
             vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320,
             512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is served padded to it (logged).
@@ -109,6 +114,14 @@ class QeRLGRPOConfig(GRPOConfig):
     )
 
     # vLLM LoRA serving
+    vllm_lora_backend: str = field(
+        default="vllm",
+        metadata={
+            "help": "How vLLM serves the LoRA: 'vllm' (vLLM's LoRA adapters) or 'qerl' (built into QeRL's NVFP4 "
+            "quantization method, updated in place).",
+            "choices": ["vllm", "qerl"],
+        },
+    )
     vllm_max_lora_rank: int | None = field(
         default=None,
         metadata={"help": "vLLM max_lora_rank; default: smallest allowed rank >= the LoRA rank."},
@@ -134,6 +147,11 @@ class QeRLGRPOConfig(GRPOConfig):
         if self.aqn_apply_to not in ("rollout", "rollout_and_policy"):
             raise ValueError(
                 f"aqn_apply_to must be 'rollout' or 'rollout_and_policy', got {self.aqn_apply_to!r}."
+            )
+        if self.vllm_lora_backend not in ("vllm", "qerl"):
+            raise ValueError(
+                f"vllm_lora_backend must be 'vllm' (vLLM's LoRA adapters) or 'qerl' (the LoRA inside QeRL's NVFP4 "
+                f"vLLM method), got {self.vllm_lora_backend!r}."
             )
         if self.vllm_max_logprob_gap is not None and self.vllm_max_logprob_gap <= 0:
             raise ValueError(f"vllm_max_logprob_gap must be > 0 or None, got {self.vllm_max_logprob_gap}.")

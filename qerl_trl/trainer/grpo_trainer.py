@@ -161,7 +161,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
             lora_cfg = peft_config if peft_config is not None else model.peft_config["default"]
             rank = check_lora_config_for_vllm(lora_cfg)
-            max_rank = vllm_max_lora_rank(rank, args.vllm_max_lora_rank)
+            qerl_lora = args.vllm_lora_backend == "qerl"  # any rank: no vLLM LoRA slots to pad to
+            max_rank = rank if qerl_lora else vllm_max_lora_rank(rank, args.vllm_max_lora_rank)
             checkpoint = self._vllm_checkpoint(model, source, source_is_nvfp4, processing_class, args)
             norm_names = []
             if self.aqn is not None:
@@ -173,6 +174,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 fp32_norm_names=norm_names,
                 enforce_eager=args.vllm_enforce_eager,
                 lora_sync_dir=args.vllm_lora_sync_dir,
+                lora_backend=args.vllm_lora_backend,
             )
             cls = make_qerl_vllm_generation_class()
             swap = swap_trl_vllm_generation(lambda *a, **kw: cls(*a, serving=spec, **kw))

@@ -52,6 +52,7 @@ __all__ = [
     "vllm_max_lora_rank",
     "check_lora_config_for_vllm",
     "peft_to_vllm_lora_tensors",
+    "peft_lora_modules",
     "write_adapter_dir",
     "LoRAServingLLM",
     "VLLMServingSpec",
@@ -179,6 +180,28 @@ def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -
     return out
 
 
+def peft_lora_modules(model: nn.Module, adapter_name: str = "default") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The policy's LoRA as ``{module name in vLLM's tree: (A [r, in], B [out, r] * scaling)}`` for the
+    single-LoRA engine path (:mod:`qerl_trl.vllm_plugin`).
+
+    PEFT's ``base_model.model.`` prefix is dropped (``model.layers.0.self_attn.q_proj``: the decoder models vLLM and
+    transformers share name their modules alike) and each module's own scaling (``lora_alpha / r``, rsLoRA too) is
+    folded into B in float32, rounded once to B's dtype.
+    """
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+        if not isinstance(lora_a, nn.ModuleDict) or adapter_name not in lora_a:
+            continue
+        a = lora_a[adapter_name].weight.detach()
+        b = lora_b[adapter_name].weight.detach()
+        scaling = float(module.scaling[adapter_name])
+        out[name.removeprefix("base_model.model.")] = (a, (b.float() * scaling).to(b.dtype))
+    if not out:
+        raise ValueError(f"The model has no LoRA modules for adapter {adapter_name!r}.")
+    return out
+
+
 def write_adapter_dir(
     path: str, tensors: dict[str, torch.Tensor], peft_config: Any, dtype: torch.dtype = torch.bfloat16
 ) -> None:
@@ -249,7 +272,7 @@ def fp32_norms_during_load(param_names: list[str]) -> Iterator[None]:
         base_loader.BaseModelLoader.load_model = original
 
 
-def compile_cache_marker(fp32_norm_names: Iterable[str]) -> dict[str, str]:
+def compile_cache_marker(fp32_norm_names: Iterable[str], hf_overrides: dict | None = None) -> dict[str, str]:
     """vLLM ``additional_config`` that gives engines with float32 norms their own torch.compile cache.
 
     vLLM 0.24 keys its compile cache (``vllm/compilation/backends.py``) on its configs, env and the traced source
@@ -258,10 +281,17 @@ def compile_cache_marker(fp32_norm_names: Iterable[str]) -> dict[str, str]:
     checkpoint (or the reverse) and generates garbage. ``VllmConfig.additional_config`` is hashed into that key.
     Engines without fp32 norms get a marker too, so a cache an AQN engine filled before this marker existed is
     never read by them.
+
+    The single-LoRA engine (lora_backend="qerl") sizes its LoRA buffers from ``hf_overrides``, which vLLM leaves
+    out of that key too (``ModelConfig.compute_hash`` ignores ``hf_overrides``): its LoRA spec goes in as well, so a
+    run with another rank or other target modules never loads kernels compiled for the old shapes.
     """
     names = sorted(fp32_norm_names)
     digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16] if names else "none"
-    return {"qerl_fp32_norms": digest}
+    marker = {"qerl_fp32_norms": digest}
+    if hf_overrides:
+        marker["qerl_overrides"] = hashlib.sha256(json.dumps(hf_overrides, sort_keys=True).encode()).hexdigest()[:16]
+    return marker
 
 
 class LoRAServingLLM:
@@ -272,12 +302,13 @@ class LoRAServingLLM:
     Everything else is forwarded unchanged.
     """
 
-    def __init__(self, llm: Any):
+    def __init__(self, llm: Any, adapters: bool = True):
         self._llm = llm
+        self.adapters = adapters  # False: the LoRA is built into the engine's layers (lora_backend="qerl")
         self.lora_request = None
 
     def generate(self, *args, **kwargs):
-        if kwargs.get("lora_request") is None:
+        if self.adapters and kwargs.get("lora_request") is None:
             if self.lora_request is None:
                 raise RuntimeError("No LoRA adapter has been pushed to vLLM yet: call sync_weights() first.")
             kwargs["lora_request"] = self.lora_request
@@ -301,6 +332,7 @@ class VLLMServingSpec:
     enforce_eager: bool = False
     lora_sync_dir: str = "/dev/shm"
     dtype: str = "bfloat16"
+    lora_backend: str = "vllm"  # "vllm": vLLM's LoRA adapters; "qerl": the LoRA inside our quantization method
 
 
 class _AdapterPusher:
@@ -385,6 +417,11 @@ def make_qerl_vllm_generation_class():
             os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
             ensure_master_addr_port()
             spec = self.serving
+            if spec.lora_backend == "qerl":
+                engine_lora = single_lora_engine_kwargs(spec.checkpoint, self.model)
+            else:
+                engine_lora = {"enable_lora": True, "max_lora_rank": spec.max_lora_rank, "max_loras": 1,
+                               "max_cpu_loras": 2}  # fmt: skip
             with fp32_norms_during_load(spec.fp32_norm_names):
                 llm = LLM(
                     model=spec.checkpoint,
@@ -401,14 +438,11 @@ def make_qerl_vllm_generation_class():
                     max_num_batched_tokens=4096,
                     logprobs_mode="processed_logprobs",
                     trust_remote_code=self.trust_remote_code,
-                    enable_lora=True,
-                    max_lora_rank=spec.max_lora_rank,
-                    max_loras=1,
-                    max_cpu_loras=2,
                     enforce_eager=spec.enforce_eager,
-                    additional_config=compile_cache_marker(spec.fp32_norm_names),
+                    additional_config=compile_cache_marker(spec.fp32_norm_names, engine_lora.get("hf_overrides")),
+                    **engine_lora,
                 )
-            self.llm = LoRAServingLLM(llm)
+            self.llm = LoRAServingLLM(llm, adapters=spec.lora_backend != "qerl")
             self._pusher = _AdapterPusher(llm, spec.lora_sync_dir)
             if self.enable_sleep_mode:
                 self.llm.sleep(level=1)
@@ -422,11 +456,15 @@ def make_qerl_vllm_generation_class():
                 empty_cache()
                 self.llm.wake_up(tags=["weights"])
             lora_params = [p for n, p in self.model.named_parameters() if "lora_" in n]
-            with self._dist.gather_params(lora_params):
-                tensors = peft_to_vllm_lora_tensors(self.model)
-                tensors = {k: v.clone() for k, v in tensors.items()}
-            peft_config = self.model.peft_config["default"]
-            self.llm.lora_request = self._pusher.push(tensors, peft_config)
+            if self.serving.lora_backend == "qerl":
+                with self._dist.gather_params(lora_params):
+                    self.push_lora(peft_lora_modules(self.model))
+            else:
+                with self._dist.gather_params(lora_params):
+                    tensors = peft_to_vllm_lora_tensors(self.model)
+                    tensors = {k: v.clone() for k, v in tensors.items()}
+                peft_config = self.model.peft_config["default"]
+                self.llm.lora_request = self._pusher.push(tensors, peft_config)
             if self.pending_norms:
                 push_norm_weights(self.llm, self.pending_norms)
                 self.pending_norms = None
@@ -437,7 +475,36 @@ def make_qerl_vllm_generation_class():
                 torch.cuda.synchronize()
             self.last_sync_seconds = time.perf_counter() - t0
 
+        def push_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+            """lora_backend="qerl": copy the LoRA into the engine's layers in place (every module must land)."""
+            from ..vllm_plugin.single_lora import push_lora_in_place
+
+            return sum(self.llm.apply_model(lambda model: push_lora_in_place(model, adapters, 1.0)))
+
+        def clear_lora(self) -> int:
+            """lora_backend="qerl": serve the bare NVFP4 base (zero LoRA) until the next sync; for checks."""
+            zeros = {n: (torch.zeros_like(a), torch.zeros_like(b)) for n, (a, b) in peft_lora_modules(self.model).items()}
+            n = self.push_lora(zeros)
+            self.llm.reset_prefix_cache()  # cached KV was computed with the LoRA
+            return n
+
     return QeRLVLLMGeneration
+
+
+def single_lora_engine_kwargs(checkpoint: str, model: nn.Module) -> dict[str, Any]:
+    """``LLM(...)`` arguments for lora_backend="qerl": our quantization method (registered here too, in case vLLM's
+    plugin entry point is not installed), told the LoRA's rank and target modules through ``hf_overrides``."""
+    from ..vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
+
+    register()
+    modules = peft_lora_modules(model)
+    ranks = {a.shape[0] for a, _ in modules.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"lora_backend='qerl' serves one LoRA rank, the model has {sorted(ranks)}.")
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    targets = {name.rsplit(".", 1)[-1] for name in modules}
+    return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, ranks.pop(), targets)}
 
 
 @contextlib.contextmanager

@@ -7,7 +7,28 @@ vLLM; :mod:`.lora_shards` (the LoRA layout math) needs only torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+QUANT_NAME = "qerl_nvfp4_lora"  # the quantization method's name in vLLM
+LORA_KEY = "qerl_lora"  # its LoRA spec inside the checkpoint's quantization_config
+
 
 def register() -> None:
     """Register the ``qerl_nvfp4_lora`` quantization method with vLLM (idempotent)."""
     from . import single_lora  # noqa: F401  (the decorator registers it)
+
+
+def lora_quantization_overrides(checkpoint_config: Mapping[str, Any], rank: int, target_modules: Iterable[str]) -> dict:
+    """``hf_overrides`` for ``LLM(...)``: the checkpoint's ``quantization_config`` plus the LoRA's rank and targets
+    (leaf module names such as ``q_proj``)."""
+    quant = checkpoint_config.get("quantization_config")
+    if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
+        raise ValueError(
+            f"The single-LoRA vLLM path serves compressed-tensors NVFP4A16 checkpoints; this one has "
+            f"quantization_config={quant!r}."
+        )
+    targets = sorted(set(target_modules))
+    if not targets:
+        raise ValueError("The LoRA targets no module.")
+    return {"quantization_config": {**quant, LORA_KEY: {"rank": int(rank), "target_modules": targets}}}

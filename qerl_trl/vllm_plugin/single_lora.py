@@ -33,10 +33,8 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
+from . import LORA_KEY, QUANT_NAME, lora_quantization_overrides
 from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
-
-QUANT_NAME = "qerl_nvfp4_lora"
-LORA_KEY = "qerl_lora"
 
 __all__ = [
     "QUANT_NAME",
@@ -162,21 +160,6 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
             if names:
                 return SingleLoRALinearMethod(method, names, self.lora_rank)
         return method
-
-
-def lora_quantization_overrides(checkpoint_config: Mapping[str, Any], rank: int, target_modules: Iterable[str]) -> dict:
-    """``hf_overrides`` for ``LLM(...)``: the checkpoint's ``quantization_config`` plus the LoRA's rank and targets
-    (leaf module names such as ``q_proj``)."""
-    quant = checkpoint_config.get("quantization_config")
-    if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
-        raise ValueError(
-            f"The single-LoRA vLLM path serves compressed-tensors NVFP4A16 checkpoints; this one has "
-            f"quantization_config={quant!r}."
-        )
-    targets = sorted(set(target_modules))
-    if not targets:
-        raise ValueError("The LoRA targets no module.")
-    return {"quantization_config": {**quant, LORA_KEY: {"rank": int(rank), "target_modules": targets}}}
 
 
 def push_lora_in_place(model: nn.Module, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> int:
