@@ -46,7 +46,11 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-ARMS = ("trl_bf16", "qerl", "trl_qlora")
+ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora")
+#: QeRL arms: "qerl" serves the LoRA through vLLM's LoRA adapters, "qerl_single_lora" through QeRL's single-LoRA
+#: vLLM method (QeRLGRPOConfig.vllm_lora_backend="qerl"); not in the default matrix until it has run on a GPU
+QERL_ARMS = {"qerl": "vllm", "qerl_single_lora": "qerl"}
+DEFAULT_ARMS = ("trl_bf16", "qerl", "trl_qlora")
 SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b"}
 #: vLLM's share of the GPU, the same for every arm of a size (what a BF16 engine needs for weights + KV cache).
 GPU_MEMORY_UTILIZATION = {"1.5b": 0.3, "7b": 0.35, "14b": 0.55, "32b": 0.45}
@@ -79,7 +83,7 @@ class RowSpec:
         return f"{self.prompts}x{self.generations}-{self.completion_len}-{'sleep' if self.sleep else 'nosleep'}"
 
 
-def default_matrix() -> list[RowSpec]:
+def default_matrix(arms: tuple[str, ...] | list[str] = DEFAULT_ARMS) -> list[RowSpec]:
     """The committed matrix, in the order it is run (most informative first: device time is finite). 7B: 2x8 and
     8x8 completions, 512 and 2048 tokens, sleep mode on and off; 14B and 32B: sleep on, which a colocated engine
     beside a 14B/32B policy needs on 80 GB. QLoRA also with HF generation, in case TRL's vLLM QLoRA path fails."""
@@ -91,8 +95,9 @@ def default_matrix() -> list[RowSpec]:
         ("14b", 8, 8, 512, True),
         ("7b", 2, 8, 2048, True),
     ]
-    rows = [RowSpec(size, arm, p, g, length, sleep) for size, p, g, length, sleep in settings for arm in ARMS]
-    rows.append(RowSpec("7b", "trl_qlora", 2, 8, 512, False, "hf"))
+    rows = [RowSpec(size, arm, p, g, length, sleep) for size, p, g, length, sleep in settings for arm in arms]
+    if "trl_qlora" in arms:
+        rows.append(RowSpec("7b", "trl_qlora", 2, 8, 512, False, "hf"))
     return rows
 
 
@@ -223,7 +228,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         raise ValueError(f"{spec.name}: {n_completions} completions do not split into micro-batches of {micro}")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(paths["nvfp4"] if spec.arm == "qerl" else paths["bf16"])
+    tok = AutoTokenizer.from_pretrained(paths["nvfp4"] if spec.arm in QERL_ARMS else paths["bf16"])
     prompts = rm.make_prompts(spec.prompts * (steps + 2), PROMPT_TOKENS, seed=seed, tokenizer=tok)
     dataset = Dataset.from_dict({"prompt": prompts})
     common = dict(
@@ -249,11 +254,12 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    if spec.arm == "qerl":
+    if spec.arm in QERL_ARMS:
         from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
 
         args = QeRLGRPOConfig(**common, lora_r=LORA_R, lora_alpha=LORA_ALPHA, aqn=True,
-                              nvfp4_cache_dir=os.path.join(work, "qerl-cache"))
+                              nvfp4_cache_dir=os.path.join(work, "qerl-cache"),
+                              vllm_lora_backend=QERL_ARMS[spec.arm])
         return QeRLGRPOTrainer(model=paths["nvfp4"], reward_funcs=_reward, args=args, train_dataset=dataset,
                                processing_class=tok)
     from trl import GRPOConfig, GRPOTrainer
@@ -288,7 +294,7 @@ def row_name(row: dict) -> str:
 
 def unrunnable(spec: RowSpec) -> str | None:
     """The ``not_run`` status of a row this machine cannot run by design (32B BF16/QLoRA), else None."""
-    if spec.arm == "qerl" or spec.size in BF16_MAX_SIZE:
+    if spec.arm in QERL_ARMS or spec.size in BF16_MAX_SIZE:
         return None
     why = ("and TRL colocate would hold the BF16 policy (61 GiB) plus vLLM's BF16 copy: more than 80 GB"
            if spec.arm == "trl_bf16" else "and both TRL's bitsandbytes load and vLLM's in-flight bitsandbytes "
@@ -380,7 +386,7 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
     for s in specs:
         by_size.setdefault(s.size, []).append(s)
     for size, group in by_size.items():
-        need_bf16 = size in BF16_MAX_SIZE and any(s.arm != "qerl" for s in group)
+        need_bf16 = size in BF16_MAX_SIZE and any(s.arm not in QERL_ARMS for s in group)
         t0 = time.perf_counter()
         prep = subprocess.run([sys.executable, __file__, "--prepare", size, "--work", work]
                               + (["--with-bf16"] if need_bf16 else []), capture_output=True, text=True)
@@ -487,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.child:
         _child(RowSpec(**json.loads(a.child)), a.work, a.steps, a.row_out)
         return
-    specs = select(default_matrix(), a.sizes, a.arms, a.only)
+    specs = select(default_matrix(a.arms or DEFAULT_ARMS), a.sizes, a.arms, a.only)
     if a.list:
         for s in specs:
             print(s.name)

@@ -10,6 +10,8 @@ Arms, each one vLLM engine in its own process (random weights; ``ignore_eos`` so
   BF16 weights before every sync, so generation runs dense BF16 matmuls;
 * ``nvfp4_vllm_lora``: the NVFP4A16 checkpoint (vLLM's Marlin FP4 kernel on Hopper) with a rank-``--lora-r``
   adapter on every linear, served by vLLM's multi-LoRA path as QeRL serves it today (``LoRARequest``);
+* ``nvfp4_qerl_lora``: the same checkpoint and adapter on QeRL's single-LoRA vLLM method (``qerl_nvfp4_lora``,
+  ``QeRLGRPOConfig(vllm_lora_backend="qerl")``): the LoRA built into each linear, pushed in place;
 * ``nvfp4``: the NVFP4A16 checkpoint without LoRA: the ceiling for any FP4 + LoRA path.
 
 A row per (size, arm, batch): ``tokens_per_s`` (generated tokens over the wall time of one ``generate`` call of
@@ -31,7 +33,9 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-ARMS = ("bf16_merged", "nvfp4_vllm_lora", "nvfp4")
+ARMS = ("bf16_merged", "nvfp4_vllm_lora", "nvfp4_qerl_lora", "nvfp4")
+LORA_ARMS = ("nvfp4_vllm_lora", "nvfp4_qerl_lora")
+LORA_SCALING = 2.0  # lora_alpha = 2r
 BATCHES = (1, 8, 16, 64, 128)
 #: vLLM's share of the GPU per engine: weights plus the KV cache of 128 sequences of 768 tokens
 GPU_MEMORY_UTILIZATION = 0.85
@@ -57,26 +61,46 @@ def lora_shapes(config) -> dict[str, tuple[int, int]]:
             "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
 
 
-def write_random_adapter(path: str, config, r: int, seed: int = 0) -> str:
-    """A PEFT LoRA adapter of rank ``r`` on every linear of every layer, random A and B (B non-zero, so vLLM
-    applies it), written in the layout QeRL hands to vLLM (``qerl_trl.trainer.vllm_lora.write_adapter_dir``)."""
+def random_lora(config, r: int, seed: int = 0) -> dict:
+    """``{module name: (A [r, in], B [out, r])}`` on every linear of every layer, random A and B (B non-zero, so the
+    LoRA changes the outputs), named as in vLLM's and transformers' module trees (``model.layers.0.mlp.up_proj``)."""
     import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(config.num_hidden_layers):
+        for module, (fan_in, fan_out) in lora_shapes(config).items():
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            a = torch.randn(r, fan_in, generator=gen) / fan_in**0.5
+            out[f"model.layers.{layer}.{part}.{module}"] = (a, torch.randn(fan_out, r, generator=gen) * 1e-3)
+    return out
+
+
+def write_random_adapter(path: str, config, r: int, seed: int = 0) -> str:
+    """:func:`random_lora` as a PEFT adapter (``lora_alpha = 2r``), written in the layout QeRL hands to vLLM's LoRA
+    path (``qerl_trl.trainer.vllm_lora.write_adapter_dir``)."""
     from peft import LoraConfig
 
     from qerl_trl.trainer.vllm_lora import write_adapter_dir
 
-    gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for module, (fan_in, fan_out) in lora_shapes(config).items():
-            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            name = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(r, fan_in, generator=gen) / fan_in**0.5
-            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, r, generator=gen) * 1e-3
+    for name, (a, b) in random_lora(config, r, seed).items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
     cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(LORA_TARGETS), lora_dropout=0.0, bias="none",
                      task_type="CAUSAL_LM")  # fmt: skip
     write_adapter_dir(path, tensors, cfg)
     return path
+
+
+def qerl_lora_engine_kwargs(checkpoint: str, r: int) -> dict:
+    """``LLM(...)`` arguments of the ``nvfp4_qerl_lora`` arm: QeRL's method with a rank-``r`` LoRA on every linear."""
+    from qerl_trl.vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
+
+    register()
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, r, LORA_TARGETS)}
 
 
 def unrunnable(spec: EngineSpec) -> str | None:
@@ -94,7 +118,7 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
     from benchmarks import random_models as rm
 
     base = dict(size=spec.size, arm=spec.arm, prompt_len=spec.prompt_len, gen_len=spec.gen_len,
-                lora_r=spec.lora_r if spec.arm == "nvfp4_vllm_lora" else 0)  # fmt: skip
+                lora_r=spec.lora_r if spec.arm in LORA_ARMS else 0)  # fmt: skip
     if why := unrunnable(spec):
         return [dict(base, batch=b, status=why) for b in spec.batches]
     try:
@@ -108,6 +132,8 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
         lora = spec.arm == "nvfp4_vllm_lora"
         t0 = time.perf_counter()
         lora_kwargs = dict(enable_lora=True, max_lora_rank=spec.lora_r, max_loras=1) if lora else {}
+        if spec.arm == "nvfp4_qerl_lora":
+            lora_kwargs = qerl_lora_engine_kwargs(model, spec.lora_r)
         llm = LLM(model=model, gpu_memory_utilization=GPU_MEMORY_UTILIZATION, max_model_len=spec.prompt_len
                   + spec.gen_len + 16, max_num_seqs=max(spec.batches), seed=0, **lora_kwargs)  # fmt: skip
         init_s = time.perf_counter() - t0
@@ -118,6 +144,14 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
             adapter = write_random_adapter(os.path.join(work, f"adapter-{spec.size}-r{spec.lora_r}"),
                                            AutoConfig.from_pretrained(model), spec.lora_r)  # fmt: skip
             request = LoRARequest(lora_name="bench", lora_int_id=1, lora_path=adapter)
+        if spec.arm == "nvfp4_qerl_lora":
+            from qerl_trl.vllm_plugin.single_lora import push_lora_in_place
+
+            adapters = {k: (a.to(torch.bfloat16), b.to(torch.bfloat16))
+                        for k, (a, b) in random_lora(AutoConfig.from_pretrained(model), spec.lora_r).items()}  # fmt: skip
+            filled = sum(llm.apply_model(lambda m: push_lora_in_place(m, adapters, LORA_SCALING)))
+            if filled == 0:
+                raise RuntimeError("no single-LoRA layer in the engine")
         vocab = AutoConfig.from_pretrained(model).vocab_size
         gen = torch.Generator().manual_seed(0)
         eos = rm.eos_token_id(vocab)

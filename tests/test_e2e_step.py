@@ -62,9 +62,13 @@ def test_failures_are_classified():
 def test_matrix_names_are_unique_and_selectable():
     names = [s.name for s in e2e.default_matrix()]
     assert len(names) == len(set(names))
-    assert {s.arm for s in e2e.default_matrix()} == set(e2e.ARMS)
+    assert {s.arm for s in e2e.default_matrix()} == set(e2e.DEFAULT_ARMS)
     picked = e2e.select(e2e.default_matrix(), ["7b"], ["qerl"], ["8x8-512-sleep"])
     assert [s.name for s in picked] == ["7b/qerl/8x8-512-sleep"]
+    # the single-LoRA arm runs when asked for, on the same settings
+    both = e2e.select(e2e.default_matrix(["qerl", "qerl_single_lora"]), ["7b"], ["qerl", "qerl_single_lora"], ["2x8-512-nosleep"])
+    assert [s.name for s in both] == ["7b/qerl/2x8-512-nosleep", "7b/qerl_single_lora/2x8-512-nosleep"]
+    assert set(e2e.QERL_ARMS) | set(e2e.DEFAULT_ARMS) == set(e2e.ARMS)
 
 
 def test_merge_keeps_the_latest_row_fills_the_matrix_and_adds_speedups(tmp_path):
