@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--completion-len", type=int, default=512)
     ap.add_argument("--generation", default="vllm", choices=["vllm", "hf"], help="hf: the CPU smoke test")
+    ap.add_argument("--arm", default="qerl", choices=["qerl", "qerl_single_lora"],
+                    help="QeRL with vLLM's LoRA adapters, or with its single-LoRA vLLM method (see e2e_step.py)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--work", default="/tmp/qerl-mg")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from benchmarks._common import gpu_tag, result_envelope
 
-    spec = e2e.RowSpec(a.size, "qerl", a.prompts, a.generations, a.completion_len, sleep=False, generation=a.generation)
+    spec = e2e.RowSpec(a.size, a.arm, a.prompts, a.generations, a.completion_len, sleep=False, generation=a.generation)
     prep = e2e.prepare_checkpoints(a.work, a.size, need_bf16=False)
     print(f"checkpoint ready: {prep}", flush=True)
     rows = []
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     env = result_envelope("multi_gpu", rows, "python benchmarks/multi_gpu.py " + " ".join(argv or sys.argv[1:]))
     tag = gpu_tag()
     os.makedirs(a.out_dir, exist_ok=True)
-    path = os.path.join(a.out_dir, f"multi_gpu-{tag}x{gpus}.json" if tag != "cpu" else "multi_gpu-cpu.json")
+    name = f"multi_gpu-{tag}x{gpus}" if tag != "cpu" else "multi_gpu-cpu"
+    path = os.path.join(a.out_dir, name + ("" if a.arm == "qerl" else f"-{a.arm}") + ".json")
     with open(path, "w") as f:
         json.dump(env, f, indent=1, default=str)
     print(f"wrote {path}")

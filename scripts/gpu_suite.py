@@ -1,0 +1,49 @@
+"""The GPU suite (``pytest -m "gpu or vllm"``) in parts that each fit one 10-minute call on the GPU machine.
+
+    python scripts/gpu_suite.py --list          # the parts and their tests
+    python scripts/gpu_suite.py kernels         # one part (extra arguments go to pytest)
+
+Every GPU test belongs to exactly one part (``tests/test_gpu_suite.py`` checks it on CPU), so running every part
+at one commit is running the whole suite there. A part runs pytest with ``-m "gpu or vllm"`` and its files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: part -> (pytest arguments, what it holds and what is known of its time on an H100)
+PARTS: dict[str, tuple[list[str], str]] = {
+    "kernels": (["-m", "gpu and not vllm", "tests"], "NVFP4 kernels, quantizer on CUDA (113 of 196 took 104 s)"),
+    "colocate": (["tests/test_trainer_vllm_gpu.py", "tests/test_single_lora_vllm.py"],
+                 "SmolLM2 colocate check per LoRA backend (170 s each), single-LoRA layers"),
+    "learning": (["tests/test_learning_gpu.py"], "compare, three arms on one GPU (337 s)"),
+    "real_shape": (["tests/test_real_shape_colocate.py"], "32B memory step, 1.5B colocate training (not timed)"),
+    "multi_gpu": (["tests/test_multi_gpu.py"], "needs 2 GPUs (skips on one)"),
+}
+
+
+def pytest_args(part: str) -> list[str]:
+    args, _ = PARTS[part]
+    return args if "-m" in args else ["-m", "gpu or vllm", *args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", nargs="?", choices=list(PARTS))
+    ap.add_argument("--list", action="store_true")
+    a, rest = ap.parse_known_args(argv)
+    if a.list or not a.part:
+        for name, (args, minutes) in PARTS.items():
+            print(f"{name:11s} {minutes:60s} pytest {' '.join(pytest_args(name))}")
+        return 0
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args(a.part), *rest],
+                           cwd=REPO)  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
