@@ -97,7 +97,7 @@ def qerl_lora_engine_kwargs(checkpoint: str, r: int) -> dict:
     """``LLM(...)`` arguments of the ``nvfp4_qerl_lora`` arm: QeRL's method with a rank-``r`` LoRA on every linear."""
     from qerl_trl.vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
 
-    register()
+    register(strict=True)
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
     return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, r, LORA_TARGETS)}

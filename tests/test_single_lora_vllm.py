@@ -289,12 +289,20 @@ def test_vllm_resolves_the_quantization_method_and_its_lora_spec(tmp_path):
     from qerl_trl.vllm_plugin import LORA_KEY, QUANT_NAME, lora_quantization_overrides, register
     from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
 
+    from peft import LoraConfig, get_peft_model
+
+    from qerl_trl.quantizer.checkpoint import load_nvfp4
+    from qerl_trl.trainer.vllm_lora import single_lora_engine_kwargs
+
     register()
     ckpt = tmp_path / "nvfp4"
     quantize_checkpoint(str(tiny_checkpoint(tmp_path / "bf16")), ckpt)
     config = json.loads((ckpt / "config.json").read_text())
-    overrides = lora_quantization_overrides(config, 16, ["q_proj", "gate_proj"])
-    mc = ModelConfig(model=str(ckpt), quantization=QUANT_NAME, hf_overrides=overrides, dtype="bfloat16")
+    # the engine arguments the trainer builds from its PEFT policy on this checkpoint
+    policy = get_peft_model(load_nvfp4(str(ckpt)), LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "gate_proj"]))
+    kwargs = single_lora_engine_kwargs(str(ckpt), policy)
+    assert kwargs["hf_overrides"] == lora_quantization_overrides(config, 16, ["q_proj", "gate_proj"])
+    mc = ModelConfig(model=str(ckpt), dtype="bfloat16", **kwargs)
     assert mc.quantization == QUANT_NAME
     qc = get_quant_config(mc, LoadConfig())
     assert isinstance(qc, QeRLNVFP4LoRAConfig) and qc.get_name() == QUANT_NAME

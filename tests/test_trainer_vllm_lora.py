@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -241,3 +242,26 @@ def test_config_rejects_an_unknown_lora_backend():
 
     with pytest.raises(ValueError, match="vllm_lora_backend must be 'vllm'"):
         QeRLGRPOConfig(output_dir="/tmp/x", bf16=False, use_cpu=True, vllm_lora_backend="punica", report_to="none")
+
+
+def test_vllm_plugin_entry_point_never_breaks_an_engine_start(monkeypatch, caplog):
+    # vLLM runs every installed general plugin unguarded at engine start: a failure must be logged, not raised,
+    # unless the trainer (which needs the method) asks for it
+    import builtins
+
+    import qerl_trl.vllm_plugin as plugin
+
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("no vLLM here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "qerl_trl.vllm_plugin.single_lora", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    with caplog.at_level("ERROR"):
+        plugin.register()
+    assert "could not register" in caplog.text
+    with pytest.raises(ImportError, match="no vLLM here"):
+        plugin.register(strict=True)

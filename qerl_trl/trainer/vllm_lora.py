@@ -496,15 +496,12 @@ def single_lora_engine_kwargs(checkpoint: str, model: nn.Module) -> dict[str, An
     plugin entry point is not installed), told the LoRA's rank and target modules through ``hf_overrides``."""
     from ..vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
 
-    register()
-    modules = peft_lora_modules(model)
-    ranks = {a.shape[0] for a, _ in modules.values()}
-    if len(ranks) != 1:
-        raise ValueError(f"lora_backend='qerl' serves one LoRA rank, the model has {sorted(ranks)}.")
+    register(strict=True)
+    rank = int(model.peft_config["default"].r)  # not the tensors' shapes: ZeRO-3 shards them to size 0 here
+    targets = {name.rsplit(".", 1)[-1] for name in peft_lora_modules(model)}
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    targets = {name.rsplit(".", 1)[-1] for name in modules}
-    return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, ranks.pop(), targets)}
+    return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, rank, targets)}
 
 
 @contextlib.contextmanager

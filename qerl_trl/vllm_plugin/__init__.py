@@ -14,9 +14,24 @@ QUANT_NAME = "qerl_nvfp4_lora"  # the quantization method's name in vLLM
 LORA_KEY = "qerl_lora"  # its LoRA spec inside the checkpoint's quantization_config
 
 
-def register() -> None:
-    """Register the ``qerl_nvfp4_lora`` quantization method with vLLM (idempotent)."""
-    from . import single_lora  # noqa: F401  (the decorator registers it)
+def register(strict: bool = False) -> None:
+    """Register the ``qerl_nvfp4_lora`` quantization method with vLLM (idempotent).
+
+    vLLM calls this, unguarded, at every engine start of anyone who has qerl-trl installed, so by default a failure
+    (another vLLM version, say) is logged and the engine starts without our method. QeRL's trainer, which needs the
+    method, calls it with ``strict=True`` and gets the error.
+    """
+    try:
+        from . import single_lora  # noqa: F401  (the decorator registers it)
+    except Exception:
+        if strict:
+            raise
+        import logging
+
+        logging.getLogger(__name__).exception(
+            "qerl-trl: could not register the vLLM quantization method %r; vllm_lora_backend='qerl' will not work "
+            "in this engine", QUANT_NAME,
+        )
 
 
 def lora_quantization_overrides(checkpoint_config: Mapping[str, Any], rank: int, target_modules: Iterable[str]) -> dict:
