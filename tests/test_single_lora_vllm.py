@@ -17,7 +17,8 @@ import torch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_on_cpu]
 
-HIDDEN, HEADS, KV_HEADS, HEAD, INTER, RANK, SCALING = 64, 8, 2, 8, 96, 4, 2.0
+# Marlin needs every partition's output a multiple of 64 and input a multiple of 128 (at TP 1 and 2)
+HIDDEN, HEADS, KV_HEADS, HEAD, INTER, RANK, SCALING = 256, 8, 2, 32, 512, 4, 2.0
 PREFIX = "model.layers.0"
 
 
@@ -183,6 +184,11 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
         lo = HEADS * HEAD // tp_size
         errs["o_proj"] = rel(o(dev(xo[:, tp_rank * lo : (tp_rank + 1) * lo]))[0].float().cpu(), ref("o_proj", xo))
         errs["down_proj"] = rel(down(dev(xd[:, tp_rank * local_i : (tp_rank + 1) * local_i]))[0].float().cpu(), ref("down_proj", xd))
+        # pushing nothing zeroes every LoRA slot: the layers serve the bare base again (clear_lora does this)
+        assert push_lora_in_place(tree, {}, SCALING) == filled
+        bare = qkv(dev(x))[0].float().cpu()[:, :local_q]
+        errs["bare_base"] = rel(bare, (x @ full["q_proj"].T)[:, tp_rank * local_q : (tp_rank + 1) * local_q])
+        push_lora_in_place(tree, adapters, SCALING)
         lora_moves = float((qkv(dev(x))[0].float().cpu()[:, :local_q] - (x @ full["q_proj"].T)[:, tp_rank * local_q : (tp_rank + 1) * local_q]).abs().max())
     results.put((tp_rank, {k: float(v) for k, v in errs.items()}, filled, lora_moves))
 

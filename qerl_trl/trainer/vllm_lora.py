@@ -483,8 +483,7 @@ def make_qerl_vllm_generation_class():
 
         def clear_lora(self) -> int:
             """lora_backend="qerl": serve the bare NVFP4 base (zero LoRA) until the next sync; for checks."""
-            zeros = {n: (torch.zeros_like(a), torch.zeros_like(b)) for n, (a, b) in peft_lora_modules(self.model).items()}
-            n = self.push_lora(zeros)
+            n = self.push_lora({})  # every LoRA slot missing from the push is zeroed
             self.llm.reset_prefix_cache()  # cached KV was computed with the LoRA
             return n
 

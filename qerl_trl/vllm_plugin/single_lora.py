@@ -93,7 +93,7 @@ class SingleLoRALinearMethod(LinearMethodBase):
         # The layer chose its weight loader by *our* class name (vLLM's WEIGHT_LOADER_V2_SUPPORTED); the inner
         # method's parameters need the one vLLM would have chosen for it (v2 for compressed-tensors).
         v2 = type(self.inner).__name__ in WEIGHT_LOADER_V2_SUPPORTED
-        extra_weight_attrs["weight_loader"] = layer.weight_loader_v2 if v2 else layer.weight_loader
+        extra_weight_attrs["weight_loader"] = getattr(layer, "weight_loader_v2", layer.weight_loader) if v2 else layer.weight_loader
         self.inner.create_weights(
             layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype,
             **extra_weight_attrs,
@@ -165,7 +165,8 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
 def push_lora_in_place(model: nn.Module, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> int:
     """Copy the trainer's LoRA into every single-LoRA layer of vLLM's ``model`` (run inside the engine, e.g. through
     ``LLM.apply_model``). ``adapters``: full ``(A [r, in], B [out, r])`` keyed by the module's name in vLLM's tree
-    (``model.layers.0.self_attn.q_proj``). Every adapter must land somewhere; returns the number of layers filled."""
+    (``model.layers.0.self_attn.q_proj``). Every adapter must land somewhere, and a layer's sub-modules missing from
+    ``adapters`` get zeros (``{}`` serves the bare base). Returns the number of single-LoRA layers written."""
     used: set[str] = set()
     layers = 0
     for prefix, module in model.named_modules():
