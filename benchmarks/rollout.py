@@ -97,10 +97,14 @@ def qerl_lora_engine_kwargs(checkpoint: str, r: int) -> dict:
     """``LLM(...)`` arguments of the ``nvfp4_qerl_lora`` arm: QeRL's method with a rank-``r`` LoRA on every linear."""
     from qerl_trl.vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
 
+    from qerl_trl.trainer.vllm_lora import compile_cache_marker
+
     register(strict=True)
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, r, LORA_TARGETS)}
+    overrides = lora_quantization_overrides(config, r, LORA_TARGETS)
+    # vLLM's compile cache ignores hf_overrides: the marker keeps another rank from loading these kernels
+    return {"quantization": QUANT_NAME, "hf_overrides": overrides, "additional_config": compile_cache_marker([], overrides)}
 
 
 def unrunnable(spec: EngineSpec) -> str | None:
