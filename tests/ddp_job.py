@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--use_vllm", action="store_true")
     p.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
+    p.add_argument("--vllm_lora_backend", default="vllm", choices=["vllm", "qerl"])
     p.add_argument("--cache_dir", default=None)
     p.add_argument("--cache_only", action="store_true", help="only prepare vLLM's NVFP4 checkpoint in --cache_dir")
     a = p.parse_args()
@@ -68,6 +69,7 @@ def main() -> None:
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.3,
         vllm_tensor_parallel_size=a.vllm_tensor_parallel_size,
+        vllm_lora_backend=a.vllm_lora_backend,
         nvfp4_cache_dir=a.cache_dir,
     )
     if a.cache_only:  # both ranks start on an empty cache: the checkpoint must be written once, not raced
