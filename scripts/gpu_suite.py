@@ -23,7 +23,7 @@ PARTS: dict[str, tuple[list[str], str]] = {
                  "SmolLM2 colocate check per LoRA backend (170 s each), single-LoRA layers"),
     "learning": (["tests/test_learning_gpu.py"], "compare, three arms on one GPU (337 s)"),
     "real_shape": (["tests/test_real_shape_colocate.py"], "32B memory step, 1.5B colocate training (not timed)"),
-    "multi_gpu": (["tests/test_multi_gpu.py"], "needs 2 GPUs (skips on one)"),
+    "multi_gpu": (["tests/test_multi_gpu.py"], "DDP and TP=2 jobs, both LoRA backends: needs 2 GPUs (not timed)"),
 }
 
 
