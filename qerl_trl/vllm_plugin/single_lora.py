@@ -11,12 +11,12 @@ plus one shrink and one expand GEMM. The trainer copies each step's A and B into
 
 The engine is asked for it with ``LLM(..., quantization="qerl_nvfp4_lora", hf_overrides={"quantization_config":
 <the checkpoint's compressed-tensors config + {"qerl_lora": {"rank": r, "target_modules": [...]}}>})``
-(:func:`lora_quantization_overrides`).
+(``qerl_trl.vllm_plugin.lora_quantization_overrides``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
-from . import LORA_KEY, QUANT_NAME, lora_quantization_overrides
+from . import LORA_KEY, QUANT_NAME
 from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
     "LORA_KEY",
     "SingleLoRALinearMethod",
     "QeRLNVFP4LoRAConfig",
-    "lora_quantization_overrides",
     "push_lora_in_place",
     "layer_lora_plan",
 ]
