@@ -115,7 +115,8 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             q = LoRAOnPlain()
         else:  # the registered quantization config on a compressed-tensors NVFP4A16 config (what the engine builds)
             from qerl_trl.quantizer.checkpoint import compressed_tensors_config
-            from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig, lora_quantization_overrides
+            from qerl_trl.vllm_plugin import lora_quantization_overrides
+            from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
 
             if device == "cpu":
                 _dequantizing_nvfp4_kernel()
