@@ -19,6 +19,10 @@ stays frozen inside vLLM and the LoRA is served as a vLLM adapter:
 
 The adapter travels through a RAM-backed directory (``/dev/shm``) with vLLM's public ``LoRARequest`` /
 ``llm_engine.add_lora`` API; the files are deleted as soon as vLLM has loaded them.
+
+With ``vllm_lora_backend="qerl"`` the engine instead runs QeRL's quantization method ``qerl_nvfp4_lora``
+(:mod:`qerl_trl.vllm_plugin`): ``enable_lora`` stays off, the LoRA lives in each linear layer, and ``sync_weights``
+copies it in place through ``LLM.apply_model`` (:func:`single_lora_engine_kwargs`, ``push_lora``).
 """
 
 from __future__ import annotations
