@@ -103,6 +103,7 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
 
     dtype = torch.float32 if mode == "plain" else torch.bfloat16
     torch.set_default_dtype(dtype)
+    torch.set_float32_matmul_precision("highest")  # plain mode compares fp32 to 1e-5: no TF32 on a GPU
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=tp_size, rank=tp_rank, local_rank=tp_rank,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}",
