@@ -20,9 +20,10 @@ def test_colocate_vllm_lora_aqn_marlin(tmp_path, smollm2_gguf, lora_backend):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "colocate_check.py"), "--gguf", smollm2_gguf,
            "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)  # a fresh single-process job, whatever this process ran before
+    from qerl_trl.learning import child_env
+
+    # a fresh single-process job, whatever this process ran before (no inherited torch.distributed rendezvous)
+    env = {**child_env(os.environ, os.cpu_count() or 1), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = json.loads(out.read_text())["rows"]

@@ -195,7 +195,9 @@ def test_compile_cache_marker_separates_single_lora_specs():
 
 
 @pytest.mark.parametrize("use_rslora", [False, True])
-def test_peft_lora_modules_fold_each_modules_scaling_into_b(use_rslora):
+def test_peft_lora_modules_give_vllm_names_and_the_scaling_the_engine_folds_in(use_rslora):
+    from qerl_trl.vllm_plugin.lora_shards import column_parallel_plan, fill_lora_buffers
+
     model = get_peft_model(
         tiny_model(dtype=torch.float32),
         LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=use_rslora, lora_dropout=0.0),
@@ -204,16 +206,19 @@ def test_peft_lora_modules_fold_each_modules_scaling_into_b(use_rslora):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1)
-    mods = vl.peft_lora_modules(model)
+    mods, scaling = vl.peft_lora_modules(model)
     assert len(mods) == 2 * 7 and "model.layers.1.mlp.down_proj" in mods  # vLLM's module names
+    assert scaling == (16 / 8**0.5 if use_rslora else 16 / 8)
     q = model.base_model.model.model.layers[0].self_attn.q_proj
     a, b = mods["model.layers.0.self_attn.q_proj"]
-    assert a.shape == (8, 64) and b.shape == (q.out_features, 8)
+    assert a.data_ptr() == q.lora_A["default"].weight.data_ptr()  # PEFT's tensors, not copies
+    # what the engine's layer computes after the push, base + x A^T (sB)^T, is what PEFT's module computes
+    plan = column_parallel_plan(["q_proj"], [q.out_features], 64, 8, [0])
+    (ra, ca), (rb, cb) = plan.buffer_shapes()
+    buf_a, buf_b = torch.zeros(ra, ca), torch.zeros(rb, cb)
+    fill_lora_buffers(plan, buf_a, buf_b, {"q_proj": (a, b)}, scaling)
     x = torch.randn(3, 64)
-    # what the engine computes, base + x A^T (sB)^T, is what PEFT's module computes
-    torch.testing.assert_close(q.base_layer(x) + x @ a.T @ b.T, q(x), rtol=1e-5, atol=1e-5)
-    scaling = 16 / 8**0.5 if use_rslora else 16 / 8
-    torch.testing.assert_close(b, q.lora_B["default"].weight * scaling)
+    torch.testing.assert_close(q.base_layer(x) + x @ buf_a.T @ buf_b.T, q(x), rtol=1e-5, atol=1e-5)
 
 
 def test_lora_serving_llm_without_adapters_passes_generate_through():

@@ -184,26 +184,31 @@ def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -
     return out
 
 
-def peft_lora_modules(model: nn.Module, adapter_name: str = "default") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The policy's LoRA as ``{module name in vLLM's tree: (A [r, in], B [out, r] * scaling)}`` for the
-    single-LoRA engine path (:mod:`qerl_trl.vllm_plugin`).
+def peft_lora_modules(
+    model: nn.Module, adapter_name: str = "default"
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+    """The policy's LoRA for the single-LoRA engine path (:mod:`qerl_trl.vllm_plugin`):
+    ``({module name in vLLM's tree: (A [r, in], B [out, r])}, scaling)``.
 
     PEFT's ``base_model.model.`` prefix is dropped (``model.layers.0.self_attn.q_proj``: the decoder models vLLM and
-    transformers share name their modules alike) and each module's own scaling (``lora_alpha / r``, rsLoRA too) is
-    folded into B in float32, rounded once to B's dtype.
+    transformers share name their modules alike). The tensors are PEFT's own (no copy); the engine folds the one
+    ``scaling`` (``lora_alpha / r``, or rsLoRA's) into B as it copies it. :func:`check_lora_config_for_vllm` has
+    ruled out per-module alphas, so every module has the same scaling; a model where they differ is an error.
     """
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    scalings = set()
     for name, module in model.named_modules():
         lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
         if not isinstance(lora_a, nn.ModuleDict) or adapter_name not in lora_a:
             continue
-        a = lora_a[adapter_name].weight.detach()
-        b = lora_b[adapter_name].weight.detach()
-        scaling = float(module.scaling[adapter_name])
-        out[name.removeprefix("base_model.model.")] = (a, (b.float() * scaling).to(b.dtype))
+        out[name.removeprefix("base_model.model.")] = (lora_a[adapter_name].weight.detach(),
+                                                       lora_b[adapter_name].weight.detach())  # fmt: skip
+        scalings.add(float(module.scaling[adapter_name]))
     if not out:
         raise ValueError(f"The model has no LoRA modules for adapter {adapter_name!r}.")
-    return out
+    if len(scalings) != 1:
+        raise ValueError(f"vllm_lora_backend='qerl' serves one LoRA scaling, the model has {sorted(scalings)}.")
+    return out, scalings.pop()
 
 
 def write_adapter_dir(
@@ -447,7 +452,7 @@ def make_qerl_vllm_generation_class():
                     **engine_lora,
                 )
             self.llm = LoRAServingLLM(llm, adapters=spec.lora_backend != "qerl")
-            self._pusher = _AdapterPusher(llm, spec.lora_sync_dir)
+            self._pusher = _AdapterPusher(llm, spec.lora_sync_dir) if spec.lora_backend != "qerl" else None
             if self.enable_sleep_mode:
                 self.llm.sleep(level=1)
             self._llm_weights_sleeping = self.enable_sleep_mode
@@ -462,7 +467,7 @@ def make_qerl_vllm_generation_class():
             lora_params = [p for n, p in self.model.named_parameters() if "lora_" in n]
             if self.serving.lora_backend == "qerl":
                 with self._dist.gather_params(lora_params):
-                    self.push_lora(peft_lora_modules(self.model))
+                    self.push_lora(*peft_lora_modules(self.model))
             else:
                 with self._dist.gather_params(lora_params):
                     tensors = peft_to_vllm_lora_tensors(self.model)
@@ -479,11 +484,11 @@ def make_qerl_vllm_generation_class():
                 torch.cuda.synchronize()
             self.last_sync_seconds = time.perf_counter() - t0
 
-        def push_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        def push_lora(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float = 1.0) -> int:
             """lora_backend="qerl": copy the LoRA into the engine's layers in place (every module must land)."""
             from ..vllm_plugin.single_lora import push_lora_in_place
 
-            return sum(self.llm.apply_model(lambda model: push_lora_in_place(model, adapters, 1.0)))
+            return sum(self.llm.apply_model(lambda model: push_lora_in_place(model, adapters, scaling)))
 
         def clear_lora(self) -> int:
             """lora_backend="qerl": serve the bare NVFP4 base (zero LoRA) until the next sync; for checks."""
@@ -501,7 +506,7 @@ def single_lora_engine_kwargs(checkpoint: str, model: nn.Module) -> dict[str, An
 
     register(strict=True)
     rank = int(model.peft_config["default"].r)  # not the tensors' shapes: ZeRO-3 shards them to size 0 here
-    targets = {name.rsplit(".", 1)[-1] for name in peft_lora_modules(model)}
+    targets = {name.rsplit(".", 1)[-1] for name in peft_lora_modules(model)[0]}
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
     return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, rank, targets)}
