@@ -109,4 +109,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        import torch.distributed as dist
+
+        # Tear the process group down before the interpreter exits: left to exit-time destructors, gloo's threads
+        # sometimes die with "terminate called without an active exception" (SIGABRT) on a busy machine, failing
+        # a run whose records were all written.
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
