@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> str | None:
     from benchmarks._common import write_result
 
     rows: list[dict] = []
+    path = None
     for size in a.sizes:
         need_bf16 = "bf16_merged" in a.arms and size in e2e.BF16_MAX_SIZE
         e2e.prepare_checkpoints(a.work, size, need_bf16=need_bf16)
@@ -249,8 +250,9 @@ def main(argv: list[str] | None = None) -> str | None:
             rows += got
             for r in got:
                 print(json.dumps({k: r.get(k) for k in ("size", "arm", "batch", "tokens_per_s", "status")}), flush=True)
-    add_speedups(rows)
-    path = write_result("rollout", rows, a.out_dir)
+            # rewritten after every engine: a run cut off by a time limit keeps the arms it finished
+            add_speedups(rows)
+            path = write_result("rollout", rows, a.out_dir)
     print(f"wrote {path}")
     return path
 
