@@ -6,7 +6,7 @@ Why: an RL run serves exactly one adapter that changes every step. vLLM's multi-
 index mappings, adapter files, ``LoRARequest``) costs about 30% of NVFP4 decode at 7B for generality this job does
 not use. Here each targeted linear layer holds the LoRA as two buffers, ``qerl_lora_a`` ``[S*r, in_local]`` and
 ``qerl_lora_b`` ``[out_local, S*r]`` (layout: :mod:`.lora_shards`), and its forward is the NVFP4 kernel's output
-plus one shrink and one expand GEMM. The trainer copies each step's A and B into the buffers in place
+plus the LoRA delta: two Triton launches at decode sizes, two GEMMs above (:mod:`.lora_kernels`). The trainer copies each step's A and B into the buffers in place
 (:func:`push_lora_in_place`), so CUDA graphs and torch.compile see the new adapter with nothing re-captured.
 
 The engine is asked for it with ``LLM(..., quantization="qerl_nvfp4_lora", hf_overrides={"quantization_config":
@@ -34,6 +34,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
 from . import LORA_KEY, QUANT_NAME
+from .lora_kernels import lora_delta_add, lora_slot_bounds
 from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
 
 __all__ = [
@@ -104,16 +105,16 @@ class SingleLoRALinearMethod(LinearMethodBase):
         # Allocated here, inside the loader's device context and the "weights" memory pool (sleep level 1 keeps them).
         layer.register_buffer("qerl_lora_a", torch.zeros(ra, ca, dtype=params_dtype), persistent=False)
         layer.register_buffer("qerl_lora_b", torch.zeros(rb, cb, dtype=params_dtype), persistent=False)
+        layer.register_buffer(
+            "qerl_lora_bounds", lora_slot_bounds([s.out_start for s in plan.slots], plan.out_rows), persistent=False
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.inner.process_weights_after_loading(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = self.inner.apply(layer, x, bias)
-        shrunk = torch.matmul(x, layer.qerl_lora_a.t())
-        return torch.addmm(y.reshape(-1, y.shape[-1]), shrunk.reshape(-1, shrunk.shape[-1]), layer.qerl_lora_b.t()).view(
-            y.shape
-        )
+        return lora_delta_add(y, x, layer.qerl_lora_a, layer.qerl_lora_b, layer.qerl_lora_bounds, self.rank)
 
 
 @register_quantization_config(QUANT_NAME)
