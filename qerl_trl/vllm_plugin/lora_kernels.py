@@ -139,7 +139,7 @@ def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
                    dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=_BK, PREC=prec, UPCAST=upcast))  # fmt: skip
     out = torch.empty_like(y2)
     rp = max(16, triton.next_power_of_2(rank))
-    sc = max(1, min(triton.next_power_of_2(splits), 2048 // (bm * rp)))
+    sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * rp)))  # partials summed per step
     _expand_launch((triton.cdiv(n, _BN), m_blocks),
                    (partials, b, y2, out, bounds, m, n, r_total, splits, b.stride(0), y2.stride(0), out.stride(0)),
                    ("expand", slots, rank, rp, sc, bm, prec, upcast),
