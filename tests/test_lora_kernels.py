@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from qerl_trl.vllm_plugin import lora_kernels
 from qerl_trl.vllm_plugin.lora_kernels import (
     KERNEL_MAX_ROWS,
     lora_delta_add,
@@ -44,7 +45,7 @@ def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m, k + x_stride_pad, generator=g).to(DEVICE, dtype)[:, :k]  # maybe a strided view
     y = torch.randn(m, sum(slot_rows), generator=g).to(DEVICE, dtype)
-    got = lora_delta_add(y, x, a, b, bounds, rank)
+    got = lora_kernels._launch(y, x, a, b, bounds, rank)  # the Triton pair at any row count
     # reference in fp64 from the same (rounded) inputs, with the shrink rounded to the activation dtype as both
     # paths do
     shrunk = (x.double() @ a.double().t()).to(dtype).double()
@@ -53,7 +54,6 @@ def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     err = (got.double() - want).abs().max().item() / (want.abs().max().item() + 1e-9)
     assert err < tol, (m, slot_rows, k, rank, dtype, err)
-    assert torch.equal(y, y.clone())  # y untouched (the op is functional)
     return got
 
 
@@ -65,7 +65,8 @@ def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x
         (5, [64, 64], 384, 24),  # gate/up-like, rank not a power of two
         (17, [80], 1000, 32),  # row-parallel-like, one slot; N not a multiple of the column block
         (70, [48, 16, 16], 130, 16),  # two row blocks, slot bounds inside one column block
-        (KERNEL_MAX_ROWS, [64], 64, 32),  # the largest kernel size, K below one K step
+        (KERNEL_MAX_ROWS, [64], 64, 32),  # the largest size the op sends to the kernels, K below one K step
+        (128, [64], 600, 32),  # fewer K splits at more rows
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,15 +80,23 @@ def test_strided_and_batched_inputs():
     a, b, bounds = layer([32], 64, 16, torch.float32)
     x = torch.randn(2, 3, 64, device=DEVICE)
     y = torch.randn(2, 3, 32, device=DEVICE)
+    y0 = y.clone()
     got = lora_delta_add(y, x, a, b, bounds, 16)
     torch.testing.assert_close(got, lora_delta_add_reference(y, x, a, b), rtol=1e-4, atol=1e-4)
+    assert torch.equal(y, y0)  # the op is functional: y untouched
 
 
-def test_above_the_kernel_rows_it_is_the_two_gemms():
+@needs_kernel
+def test_the_op_runs_the_kernels_up_to_kernel_max_rows_and_the_gemms_above(monkeypatch):
     a, b, bounds = layer([32, 16], 48, 8, torch.float32)
-    x = torch.randn(KERNEL_MAX_ROWS + 1, 48, device=DEVICE)
-    y = torch.randn(KERNEL_MAX_ROWS + 1, 48, device=DEVICE)
-    torch.testing.assert_close(lora_delta_add(y, x, a, b, bounds, 8), lora_delta_add_reference(y, x, a, b))
+    calls = []
+    real = lora_kernels._launch
+    monkeypatch.setattr(lora_kernels, "_launch", lambda *args: calls.append(args[1].shape[0]) or real(*args))
+    for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1):
+        x, y = torch.randn(rows, 48, device=DEVICE), torch.randn(rows, 48, device=DEVICE)
+        torch.testing.assert_close(lora_delta_add(y, x, a, b, bounds, 8), lora_delta_add_reference(y, x, a, b),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+    assert calls == [1, KERNEL_MAX_ROWS]
 
 
 def test_slot_bounds_are_checked():
@@ -111,3 +120,29 @@ def test_qwen25_7b_layer_shapes_on_the_gpu(m):
     # qkv (q 3584, k/v 512), o, gate/up (18944 each), down at r=32, bf16 as vLLM serves them
     for slot_rows, k in (([3584, 512, 512], 3584), ([3584], 3584), ([18944, 18944], 3584), ([3584], 18944)):
         check(m, slot_rows, k, 32, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_the_kernels_compile_under_a_serializing_jit_hook(monkeypatch):
+    """vLLM's worker installs a Triton JIT hook after its warm-up (``vllm/triton_utils/jit_monitor.py``, 0.24), and
+    Triton then JSON-serializes every later compile's constexprs: a decode size first seen after warm-up compiles
+    under it. Both kernels must compile there and stay right."""
+    import json
+
+    from triton import knobs
+
+    seen: list[str] = []
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        json.loads(compile["specialization_data"])
+        seen.append(fn.name)
+        return False
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", hook)
+    for kernel, launch in ((lora_kernels._lora_shrink_kernel, lora_kernels._shrink_launch),
+                           (lora_kernels._lora_expand_kernel, lora_kernels._expand_launch)):  # fmt: skip
+        kernel.device_caches.clear()
+        launch.clear()
+    check(3, [96, 32, 32], 512, 32, torch.bfloat16)
+    assert {"_lora_shrink_kernel", "_lora_expand_kernel"} <= set(seen)

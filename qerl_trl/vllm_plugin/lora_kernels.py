@@ -1,10 +1,10 @@
 """The single-LoRA delta ``y + (x A^T) B^T`` in two Triton launches for decode-sized inputs (no vLLM imports).
 
-Why: measured on an H100 (issue #15), the two cuBLAS GEMMs of the plain formulation take 6 µs for the shrink and
-3.5-7.5 µs for the expand at every decode size from 1 to 64 rows. The shrink's output is only ``rows x S*r``
-(at most 96 columns at r=32), one or two output tiles, so cuBLAS runs it on a handful of SMs; the expand reads a
-block-diagonal ``B`` whose off-diagonal zeros are S times the bytes it needs. Over 4 linears x 28 layers of a 7B
-model that was 45% of NVFP4 decode at batch 1.
+Why: an RL rollout decodes a few to a few dozen sequences, so each LoRA'd linear sees 1-64 rows. There the plain
+formulation's shrink output is only ``rows x S*r`` (at most 96 columns at r=32), one or two output tiles that
+cuBLAS runs on a handful of SMs, and its expand reads a block-diagonal ``B`` whose off-diagonal zeros are S times
+the bytes it needs. On the H100 the two GEMMs took 9.5-13 µs per linear in a CUDA graph, and the LoRA cost 45% of
+NVFP4 decode at batch 1 (``benchmarks/results/rollout-h100.json``).
 
 Here the shrink splits K over many programs and writes fp32 partial sums (``[splits, rows, S*r]``); the expand
 sums the partials of its slot, rounds them to the activation dtype (as the plain path's bf16 shrink output is),
@@ -12,7 +12,7 @@ reads only the diagonal block of ``B`` that its output rows belong to, and adds 
 (deterministic), no memset, no host sync, fixed launch shapes per row count (CUDA-graph safe).
 
 :func:`lora_delta_add` is a ``torch.library`` custom op, opaque to torch.compile (vLLM compiles the model), and
-falls back to the two GEMMs above :data:`KERNEL_MAX_ROWS` rows (prefill), where cuBLAS fills the GPU.
+falls back to the two GEMMs above :data:`KERNEL_MAX_ROWS` rows, where cuBLAS is as fast or faster.
 """
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ from qerl_trl.nvfp4._launch import KernelLauncher
 
 __all__ = ["KERNEL_MAX_ROWS", "lora_delta_add", "lora_delta_add_reference", "lora_slot_bounds"]
 
-#: rows (tokens) up to which the Triton pair runs; above it the two cuBLAS GEMMs (prefill-sized inputs)
-KERNEL_MAX_ROWS = 128
+#: Rows (tokens) up to which the Triton pair runs; above it the two cuBLAS GEMMs. From
+#: ``benchmarks/results/lora_delta-h100.json`` (Qwen2.5 7B and 32B layers, r=32): per decode step the pair took
+#: 0.88 / 1.06 / 1.11 ms against cuBLAS's 1.18 / 1.11 / 1.14 ms at 1 / 8 / 16 rows (7B), but 1.60 / 1.76 against
+#: 1.25 / 1.40 ms at 64 / 128 rows, where its expand's re-summed partials and 600 programs over gate/up's 37888
+#: columns cost more than cuBLAS's extra tiles.
+KERNEL_MAX_ROWS = 16
 _BK = 128  # shrink: K per inner step
 _BR = 32  # shrink: LoRA rows (of S*r) per program
 _BN = 64  # expand: output columns per program
