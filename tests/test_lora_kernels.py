@@ -99,6 +99,14 @@ def test_the_op_runs_the_kernels_up_to_kernel_max_rows_and_the_gemms_above(monke
     assert calls == [1, KERNEL_MAX_ROWS]
 
 
+@needs_kernel
+def test_column_major_buffers_are_refused():
+    a, b, bounds = layer([32], 64, 16, torch.float32)
+    x, y = torch.randn(2, 64, device=DEVICE), torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="row-major"):
+        lora_delta_add(y, x, a.t().contiguous().t(), b, bounds, 16)
+
+
 def test_slot_bounds_are_checked():
     assert lora_slot_bounds([0, 96, 128], 160).tolist() == [0, 96, 128, 160]
     with pytest.raises(ValueError, match="rise from 0"):

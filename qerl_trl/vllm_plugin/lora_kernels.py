@@ -121,6 +121,8 @@ def _use_kernel(x: torch.Tensor, rows: int) -> bool:
 
 def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, rank: int) -> torch.Tensor:
     n, k = y.shape[-1], x.shape[-1]
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("lora_delta_add: the LoRA buffers A and B must be row-major (contiguous rows).")
     x2, y2 = x.reshape(-1, k), y.reshape(-1, n)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     y2 = y2 if y2.stride(-1) == 1 else y2.contiguous()
