@@ -465,15 +465,14 @@ def make_qerl_vllm_generation_class():
                 empty_cache()
                 self.llm.wake_up(tags=["weights"])
             lora_params = [p for n, p in self.model.named_parameters() if "lora_" in n]
-            if self.serving.lora_backend == "qerl":
-                with self._dist.gather_params(lora_params):
+            single_lora = self.serving.lora_backend == "qerl"
+            with self._dist.gather_params(lora_params):
+                if single_lora:  # copied into the engine's layers while gathered
                     self.push_lora(*peft_lora_modules(self.model))
-            else:
-                with self._dist.gather_params(lora_params):
-                    tensors = peft_to_vllm_lora_tensors(self.model)
-                    tensors = {k: v.clone() for k, v in tensors.items()}
-                peft_config = self.model.peft_config["default"]
-                self.llm.lora_request = self._pusher.push(tensors, peft_config)
+                else:
+                    tensors = {k: v.clone() for k, v in peft_to_vllm_lora_tensors(self.model).items()}
+            if not single_lora:
+                self.llm.lora_request = self._pusher.push(tensors, self.model.peft_config["default"])
             if self.pending_norms:
                 push_norm_weights(self.llm, self.pending_norms)
                 self.pending_norms = None

@@ -17,13 +17,12 @@ falls back to the two GEMMs above :data:`KERNEL_MAX_ROWS` rows, where cuBLAS is 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from qerl_trl.nvfp4._launch import KernelLauncher
+from qerl_trl.nvfp4.triton_kernels import _interpreting
 
 __all__ = ["KERNEL_MAX_ROWS", "lora_delta_add", "lora_delta_add_reference", "lora_slot_bounds"]
 
@@ -116,7 +115,7 @@ def lora_delta_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, 
 
 
 def _use_kernel(x: torch.Tensor, rows: int) -> bool:
-    return 0 < rows <= KERNEL_MAX_ROWS and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return 0 < rows <= KERNEL_MAX_ROWS and (x.is_cuda or _interpreting())
 
 
 def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, rank: int) -> torch.Tensor:
@@ -129,7 +128,7 @@ def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     m, r_total = x2.shape[0], a.shape[0]
     slots = bounds.numel() - 1
     # The interpreter's 16-bit tl.dot returns garbage (Triton 3.6-3.9): there the dot inputs go to fp32 first
-    upcast = os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = _interpreting()
     prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     bm = min(64, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, bm)

@@ -3,11 +3,13 @@ each linear layer. Written against vLLM 0.24.0 (``CompressedTensorsConfig``, ``L
 classes' ``tp_rank`` / ``num_kv_head_replicas`` attributes).
 
 Why: an RL run serves exactly one adapter that changes every step. vLLM's multi-LoRA machinery (punica kernels,
-index mappings, adapter files, ``LoRARequest``) costs about 30% of NVFP4 decode at 7B for generality this job does
-not use. Here each targeted linear layer holds the LoRA as two buffers, ``qerl_lora_a`` ``[S*r, in_local]`` and
-``qerl_lora_b`` ``[out_local, S*r]`` (layout: :mod:`.lora_shards`), and its forward is the NVFP4 kernel's output
-plus the LoRA delta: two Triton launches at decode sizes, two GEMMs above (:mod:`.lora_kernels`). The trainer copies each step's A and B into the buffers in place
-(:func:`push_lora_in_place`), so CUDA graphs and torch.compile see the new adapter with nothing re-captured.
+index mappings, adapter files, ``LoRARequest``) cost 52% of NVFP4 decode at 7B batch 1 on an H100
+(``benchmarks/results/rollout-h100.json``) for generality this job does not use. Here each targeted linear layer
+holds the LoRA as two buffers, ``qerl_lora_a`` ``[S*r, in_local]`` and ``qerl_lora_b`` ``[out_local, S*r]``
+(layout: :mod:`.lora_shards`), and its forward is the NVFP4 kernel's output plus the LoRA delta: two Triton
+launches at decode sizes, two GEMMs above (:mod:`.lora_kernels`). The trainer copies each step's A and B into the
+buffers in place (:func:`push_lora_in_place`), so CUDA graphs and torch.compile see the new adapter with nothing
+re-captured.
 
 The engine is asked for it with ``LLM(..., quantization="qerl_nvfp4_lora", hf_overrides={"quantization_config":
 <the checkpoint's compressed-tensors config + {"qerl_lora": {"rank": r, "target_modules": [...]}}>})``
