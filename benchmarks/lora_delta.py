@@ -33,16 +33,17 @@ SHAPES = {
 LAYERS = {"7b": 28, "32b": 64}
 
 
-def graph_us(fn, calls: int = 20, replays: int = 200) -> float:
-    """Microseconds per ``fn()`` with ``calls`` calls captured in one CUDA graph."""
+def graph_us(fns, replays: int = 100) -> float:
+    """Microseconds per call with ``fns`` (one call each) captured back to back in one CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()  # compile / warm up outside the capture
+        for fn in fns[:2]:
+            fn()  # compile / warm up outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
+        for fn in fns:
             fn()
     graph.replay()
     torch.cuda.synchronize()
@@ -52,7 +53,28 @@ def graph_us(fn, calls: int = 20, replays: int = 200) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * calls)
+    return start.elapsed_time(end) * 1000 / (replays * len(fns))
+
+
+#: (variant, column block, K step) tried by ``--sweep``; the first is what the product ran before it
+SWEEP = [("split", 64, 128)] + [("serial", bn, 128) for bn in (64, 128, 256)] + [
+    ("fused", bn, bk) for bn in (64, 128, 256) for bk in (128, 256)]  # fmt: skip
+
+
+def layer_copies(slot_rows: list[int], k: int, r: int, copies: int, dev: str, dt: torch.dtype):
+    """``copies`` independent (A, block-diagonal B) pairs of one layer shape, and its slot bounds."""
+    n, s = sum(slot_rows), len(slot_rows)
+    out = []
+    for _ in range(copies):
+        lora_a = torch.randn(s * r, k, device=dev, dtype=dt) / k**0.5
+        lora_b = torch.zeros(n, s * r, device=dev, dtype=dt)
+        start = 0
+        for j, rows in enumerate(slot_rows):
+            lora_b[start : start + rows, j * r : (j + 1) * r] = torch.randn(rows, r, device=dev, dtype=dt)
+            start += rows
+        out.append((lora_a, lora_b))
+    starts = [sum(slot_rows[:j]) for j in range(s)]
+    return out, lk.lora_slot_bounds(starts, n, dev)
 
 
 def main() -> None:
@@ -60,40 +82,49 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="*", default=list(SHAPES))
     ap.add_argument("--rows", nargs="*", type=int, default=[1, 8, 16, 64, 128])
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--sweep", action="store_true", help="time every kernel variant in SWEEP, not only the shipped one")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     dev, dt, r = "cuda", torch.bfloat16, a.rank
+    sem = torch.zeros(4096, device=dev, dtype=torch.int32)
     rows_out = []
     for size in a.sizes:
         for m in a.rows:
             for name, (slot_rows, k) in SHAPES[size].items():
-                n, s = sum(slot_rows), len(slot_rows)
+                n = sum(slot_rows)
+                # enough distinct copies that the graph's calls read A and B from HBM, as decode does (every layer
+                # in between evicts them from the 50 MB L2)
+                layer_bytes = (len(slot_rows) * r * k + n * len(slot_rows) * r) * 2
+                copies = max(8, min(64, -(-160 * 2**20 // layer_bytes)))
+                pairs, bounds = layer_copies(slot_rows, k, r, copies, dev, dt)
                 x = torch.randn(m, k, device=dev, dtype=dt)
                 y = torch.randn(m, n, device=dev, dtype=dt)
-                lora_a = torch.randn(s * r, k, device=dev, dtype=dt) / k**0.5
-                lora_b = torch.zeros(n, s * r, device=dev, dtype=dt)
-                starts, start = [], 0
-                for j, rows in enumerate(slot_rows):
-                    lora_b[start : start + rows, j * r : (j + 1) * r] = torch.randn(rows, r, device=dev, dtype=dt)
-                    starts.append(start)
-                    start += rows
-                bounds = lk.lora_slot_bounds(starts, n, dev)
-                want = lk.lora_delta_add_reference(y, x, lora_a, lora_b).float()
-                got = lk._launch(y, x, lora_a, lora_b, bounds, r).float()
-                err = ((got - want).abs().max() / want.abs().max()).item()
-                us = {"kernel": graph_us(lambda: lk._launch(y, x, lora_a, lora_b, bounds, r)),
-                      "cublas": graph_us(lambda: lk.lora_delta_add_reference(y, x, lora_a, lora_b))}  # fmt: skip
-                for path, t in us.items():
-                    rows_out.append(dict(size=size, layer=name, rows=m, rank=r, path=path, us=round(t, 2),
-                                         max_rel_err_vs_cublas=round(err, 5) if path == "kernel" else None,
-                                         kernel_vs_cublas=round(us["cublas"] / us["kernel"], 3)))  # fmt: skip
-                print(f"{size} m={m:3d} {name:8s} kernel {us['kernel']:6.2f} us  cublas {us['cublas']:6.2f} us  "
-                      f"err {err:.1e}", flush=True)  # fmt: skip
-            per_step = {p: sum(x["us"] for x in rows_out if x["size"] == size and x["rows"] == m and x["path"] == p)
-                        * LAYERS[size] / 1000 for p in ("kernel", "cublas")}  # fmt: skip
-            print(f"{size} m={m}: per decode step (x{LAYERS[size]} layers) kernel {per_step['kernel']:.3f} ms, "
-                  f"cublas {per_step['cublas']:.3f} ms", flush=True)  # fmt: skip
+                la, lb = pairs[0]
+                want = lk.lora_delta_add_reference(y, x, la, lb).float()
+                arms = {("cublas", None, None, None): lambda p: lk.lora_delta_add_reference(y, x, *p)}
+                configs = SWEEP if a.sweep else []
+                for v, bn, bk in configs:
+                    arms[("kernel", v, bn, bk)] = (
+                        lambda p, v=v, bn=bn, bk=bk: lk._launch(y, x, *p, bounds, r, variant=v, bn=bn, bk=bk,
+                                                                semaphores=sem))  # fmt: skip
+                if m <= lk.KERNEL_MAX_ROWS:
+                    arms[("shipped", None, None, None)] = lambda p: lk.lora_delta_add(y, x, *p, bounds, r)
+                base = None
+                for (path, v, bn, bk), fn in arms.items():
+                    err = ((fn(pairs[0]).float() - want).abs().max() / want.abs().max()).item()
+                    us = graph_us([lambda p=p: fn(p) for p in pairs])
+                    base = us if path == "cublas" else base
+                    rows_out.append(dict(size=size, layer=name, rows=m, rank=r, path=path, variant=v, bn=bn, bk=bk,
+                                         us=round(us, 2), vs_cublas=round(base / us, 3),
+                                         max_rel_err_vs_cublas=round(err, 5)))  # fmt: skip
+                    print(f"{size} m={m:3d} {name:8s} {path:8s} {v or '':7s} {bn or '':>4} {bk or '':>4} {us:7.2f} us "
+                          f"x{base / us:.2f} err {err:.1e}", flush=True)  # fmt: skip
+            for path in ("cublas", "shipped"):
+                sel = [x["us"] for x in rows_out if x["size"] == size and x["rows"] == m and x["path"] == path]
+                if len(sel) == len(SHAPES[size]):
+                    print(f"{size} m={m}: {path} per decode step (x{LAYERS[size]} layers) "
+                          f"{sum(sel) * LAYERS[size] / 1000:.3f} ms", flush=True)  # fmt: skip
     print("wrote", write_result("lora_delta", rows_out, a.out_dir))
 
 

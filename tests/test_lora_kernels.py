@@ -40,12 +40,15 @@ def layer(slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, seed: int
     return a.to(DEVICE, dtype), b.to(DEVICE, dtype), bounds
 
 
-def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x_stride_pad: int = 0):
+def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x_stride_pad: int = 0,
+          variant: str = "split"):
     a, b, bounds = layer(slot_rows, k, rank, dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m, k + x_stride_pad, generator=g).to(DEVICE, dtype)[:, :k]  # maybe a strided view
     y = torch.randn(m, sum(slot_rows), generator=g).to(DEVICE, dtype)
-    got = lora_kernels._launch(y, x, a, b, bounds, rank)  # the Triton pair at any row count
+    sem = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    got = lora_kernels._launch(y, x, a, b, bounds, rank, variant=variant, semaphores=sem)  # at any row count
+    assert not sem.any()  # the serial shrink leaves its semaphores as it found them
     # reference in fp64 from the same (rounded) inputs, with the shrink rounded to the activation dtype as both
     # paths do
     shrunk = (x.double() @ a.double().t()).to(dtype).double()
@@ -70,8 +73,9 @@ def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_path_matches_the_two_gemms(m, slot_rows, k, rank, dtype):
-    check(m, slot_rows, k, rank, dtype)
+@pytest.mark.parametrize("variant", ["split", "serial", "fused"])
+def test_kernel_path_matches_the_two_gemms(m, slot_rows, k, rank, dtype, variant):
+    check(m, slot_rows, k, rank, dtype, variant=variant)
 
 
 @needs_kernel

@@ -96,8 +96,119 @@ def _lora_expand_kernel(p_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, SPLIT
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
+@triton.jit
+def _lora_shrink_serial_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm, stride_am, SPLITS,
+                               K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                               SC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """Split-K partial of ``x @ A^T`` like :func:`_lora_shrink_kernel`; the last program of each (row, LoRA-row)
+    block to finish (a semaphore) sums the block's partials in split order, writes it rounded to the activation
+    dtype, and resets the semaphore to zero for the next call."""
+    pid_k = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rr = pid_r * BR + tl.arange(0, BR)
+    acc = tl.zeros((BM, BR), dtype=tl.float32)
+    for k0 in range(0, K_CHUNK, BK):
+        rk = pid_k * K_CHUNK + k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        a = tl.load(a_ptr + rr[None, :] * stride_am + rk[:, None], mask=(rr[None, :] < R) & (rk[:, None] < K), other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            a = a.to(tl.float32)
+        acc += tl.dot(x, a, input_precision=PREC)
+    omask = (rm[:, None] < M) & (rr[None, :] < R)
+    tl.store(p_ptr + (pid_k * M + rm[:, None]) * R + rr[None, :], acc, mask=omask)
+    sem = sem_ptr + pid_m * tl.num_programs(1) + pid_r
+    done = tl.atomic_add(sem, 1, sem="acq_rel")
+    if done == SPLITS - 1:
+        rs = tl.arange(0, SC)
+        tot = tl.zeros((BM, BR), dtype=tl.float32)
+        for s0 in range(0, SPLITS, SC):
+            sp = s0 + rs
+            offs = (sp[:, None, None] * M + rm[None, :, None]) * R + rr[None, None, :]
+            mask = (sp[:, None, None] < SPLITS) & omask[None, :, :]
+            tot += tl.sum(tl.load(p_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
+        tl.store(s_ptr + rm[:, None] * R + rr[None, :], tot.to(s_ptr.dtype.element_ty), mask=omask)
+        tl.atomic_xchg(sem, 0)
+
+
+@triton.jit
+def _lora_expand_rounded_kernel(s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, stride_bn, stride_ym, stride_om,
+                                S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
+                                BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """``out = y + s_j @ B_j^T`` from the finished shrink ``s`` ``[M, R]`` (activation dtype)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rj = tl.arange(0, RP)
+    n_lo = pid_n * BN
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for j in tl.static_range(S):
+        lo = tl.load(bounds_ptr + j)
+        hi = tl.load(bounds_ptr + j + 1)
+        if (lo < n_lo + BN) & (hi > n_lo):
+            s = tl.load(s_ptr + rm[:, None] * R + j * RANK + rj[None, :], mask=(rm[:, None] < M) & (rj[None, :] < RANK),
+                        other=0.0)  # fmt: skip
+            in_slot = (rn >= lo) & (rn < hi)
+            b = tl.load(b_ptr + rn[None, :] * stride_bn + j * RANK + rj[:, None],
+                        mask=in_slot[None, :] & (rj[:, None] < RANK), other=0.0)  # fmt: skip
+            if UPCAST:
+                s = s.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(s, b, input_precision=PREC)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+@triton.jit
+def _lora_fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, K, stride_xm, stride_am, stride_bn,
+                       stride_ym, stride_om, S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """One launch: each program computes its slot's whole shrink ``x @ A_j^T`` itself (A_j is re-read from L2 by
+    every program of the slot), rounds it to the activation dtype and expands it onto its block of columns."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rj = tl.arange(0, RP)
+    n_lo = pid_n * BN
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for j in tl.static_range(S):
+        lo = tl.load(bounds_ptr + j)
+        hi = tl.load(bounds_ptr + j + 1)
+        if (lo < n_lo + BN) & (hi > n_lo):
+            s = tl.zeros((BM, RP), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                            other=0.0)  # fmt: skip
+                a = tl.load(a_ptr + (j * RANK + rj[None, :]) * stride_am + rk[:, None],
+                            mask=(rj[None, :] < RANK) & (rk[:, None] < K), other=0.0)  # fmt: skip
+                if UPCAST:
+                    x = x.to(tl.float32)
+                    a = a.to(tl.float32)
+                s += tl.dot(x, a, input_precision=PREC)
+            in_slot = (rn >= lo) & (rn < hi)
+            b = tl.load(b_ptr + rn[None, :] * stride_bn + j * RANK + rj[:, None],
+                        mask=in_slot[None, :] & (rj[:, None] < RANK), other=0.0)  # fmt: skip
+            s = s.to(b.dtype)
+            if UPCAST:
+                s = s.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(s, b, input_precision=PREC)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
 _shrink_launch = KernelLauncher(_lora_shrink_kernel)
 _expand_launch = KernelLauncher(_lora_expand_kernel)
+_shrink_serial_launch = KernelLauncher(_lora_shrink_serial_kernel)
+_expand_rounded_launch = KernelLauncher(_lora_expand_rounded_kernel)
+_fused_launch = KernelLauncher(_lora_fused_kernel)
 
 
 def lora_slot_bounds(slot_starts: list[int], out_rows: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -118,7 +229,8 @@ def _use_kernel(x: torch.Tensor, rows: int) -> bool:
     return 0 < rows <= KERNEL_MAX_ROWS and (x.is_cuda or _interpreting())
 
 
-def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, rank: int) -> torch.Tensor:
+def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, rank: int,
+            variant: str = "split", bn: int = _BN, bk: int = _BK, semaphores: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     n, k = y.shape[-1], x.shape[-1]
     if a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("lora_delta_add: the LoRA buffers A and B must be row-major (contiguous rows).")
@@ -132,23 +244,45 @@ def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     bm = min(64, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, bm)
+    rp = max(16, triton.next_power_of_2(rank))
+    out = torch.empty_like(y2)
+    if variant == "fused":
+        _fused_launch((triton.cdiv(n, bn), m_blocks),
+                      (x2, a, b, y2, out, bounds, m, n, k, x2.stride(0), a.stride(0), b.stride(0), y2.stride(0),
+                       out.stride(0)),
+                      ("fused", slots, rank, rp, bm, bn, bk, prec, upcast),
+                      dict(S=slots, RANK=rank, RP=rp, BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=upcast))  # fmt: skip
+        return out.view(y.shape)
     # about 512 fp32 partial rows per output row block: enough K splits to fill the GPU at one row, few enough that
     # the expand's re-reads of the partials stay small at 64
-    k_blocks = triton.cdiv(k, _BK)
+    k_blocks = triton.cdiv(k, bk)
     splits_wanted = max(1, min(k_blocks, 512 // bm))
-    k_chunk = triton.cdiv(k_blocks, splits_wanted) * _BK
+    k_chunk = triton.cdiv(k_blocks, splits_wanted) * bk
     splits = triton.cdiv(k, k_chunk)
     partials = torch.empty((splits, m, r_total), device=x.device, dtype=torch.float32)
+    if variant == "serial":
+        r_blocks = triton.cdiv(r_total, _BR)
+        if semaphores is None or semaphores.numel() < r_blocks * m_blocks:
+            raise ValueError(f"the serial shrink needs {r_blocks * m_blocks} zeroed int32 semaphores")
+        shrunk = torch.empty((m, r_total), device=x.device, dtype=x.dtype)
+        sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * _BR)))
+        _shrink_serial_launch((splits, r_blocks, m_blocks),
+                              (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), splits),
+                              ("shrink_serial", k_chunk, bm, bk, sc, prec, upcast),
+                              dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast))  # fmt: skip
+        _expand_rounded_launch((triton.cdiv(n, bn), m_blocks),
+                               (shrunk, b, y2, out, bounds, m, n, r_total, b.stride(0), y2.stride(0), out.stride(0)),
+                               ("expand_rounded", slots, rank, rp, bm, bn, prec, upcast),
+                               dict(S=slots, RANK=rank, RP=rp, BM=bm, BN=bn, PREC=prec, UPCAST=upcast))  # fmt: skip
+        return out.view(y.shape)
     _shrink_launch((splits, triton.cdiv(r_total, _BR), m_blocks), (x2, a, partials, m, k, r_total, x2.stride(0), a.stride(0)),
-                   ("shrink", k_chunk, bm, prec, upcast),
-                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=_BK, PREC=prec, UPCAST=upcast))  # fmt: skip
-    out = torch.empty_like(y2)
-    rp = max(16, triton.next_power_of_2(rank))
+                   ("shrink", k_chunk, bm, bk, prec, upcast),
+                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, PREC=prec, UPCAST=upcast))  # fmt: skip
     sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * rp)))  # partials summed per step
-    _expand_launch((triton.cdiv(n, _BN), m_blocks),
+    _expand_launch((triton.cdiv(n, bn), m_blocks),
                    (partials, b, y2, out, bounds, m, n, r_total, splits, b.stride(0), y2.stride(0), out.stride(0)),
-                   ("expand", slots, rank, rp, sc, bm, prec, upcast),
-                   dict(S=slots, RANK=rank, RP=rp, SC=sc, BM=bm, BN=_BN, PREC=prec, UPCAST=upcast))  # fmt: skip
+                   ("expand", slots, rank, rp, sc, bm, bn, prec, upcast),
+                   dict(S=slots, RANK=rank, RP=rp, SC=sc, BM=bm, BN=bn, PREC=prec, UPCAST=upcast))  # fmt: skip
     return out.view(y.shape)
 
 
