@@ -56,9 +56,8 @@ def graph_us(fns, replays: int = 100) -> float:
     return start.elapsed_time(end) * 1000 / (replays * len(fns))
 
 
-#: (variant, column block, K step) tried by ``--sweep``; the first is what the product ran before it
-SWEEP = [("split", 64, 128)] + [("serial", bn, 128) for bn in (64, 128, 256)] + [
-    ("fused", bn, bk) for bn in (64, 128, 256) for bk in (128, 256)]  # fmt: skip
+#: (variant, column block, K step, programmatic dependent launch) tried by ``--sweep``
+SWEEP = [("split", 64, 128, False), ("serial", 64, 128, False), ("split", 64, 128, True), ("serial", 64, 128, True)]
 
 
 def layer_copies(slot_rows: list[int], k: int, r: int, copies: int, dev: str, dt: torch.dtype):
@@ -87,7 +86,6 @@ def main() -> None:
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     dev, dt, r = "cuda", torch.bfloat16, a.rank
-    sem = torch.zeros(4096, device=dev, dtype=torch.int32)
     rows_out = []
     for size in a.sizes:
         for m in a.rows:
@@ -104,10 +102,10 @@ def main() -> None:
                 want = lk.lora_delta_add_reference(y, x, la, lb).float()
                 arms = {("cublas", None, None, None): lambda p: lk.lora_delta_add_reference(y, x, *p)}
                 configs = SWEEP if a.sweep else []
-                for v, bn, bk in configs:
-                    arms[("kernel", v, bn, bk)] = (
-                        lambda p, v=v, bn=bn, bk=bk: lk._launch(y, x, *p, bounds, r, variant=v, bn=bn, bk=bk,
-                                                                semaphores=sem))  # fmt: skip
+                for v, bn, bk, pdl in configs:
+                    arms[("kernel", v + ("+pdl" if pdl else ""), bn, bk)] = (
+                        lambda p, v=v, bn=bn, bk=bk, pdl=pdl: lk._launch(y, x, *p, bounds, r, variant=v, bn=bn, bk=bk,
+                                                                         pdl=pdl))  # fmt: skip
                 if m <= lk.KERNEL_MAX_ROWS:
                     arms[("shipped", None, None, None)] = lambda p: lk.lora_delta_add(y, x, *p, bounds, r)
                 base = None

@@ -46,9 +46,8 @@ def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m, k + x_stride_pad, generator=g).to(DEVICE, dtype)[:, :k]  # maybe a strided view
     y = torch.randn(m, sum(slot_rows), generator=g).to(DEVICE, dtype)
-    sem = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    got = lora_kernels._launch(y, x, a, b, bounds, rank, variant=variant, semaphores=sem)  # at any row count
-    assert not sem.any()  # the serial shrink leaves its semaphores as it found them
+    got = lora_kernels._launch(y, x, a, b, bounds, rank, variant=variant)  # at any row count
+    assert not bounds[len(slot_rows) + 1 :].any()  # the serial shrink leaves its semaphores as it found them
     # reference in fp64 from the same (rounded) inputs, with the shrink rounded to the activation dtype as both
     # paths do
     shrunk = (x.double() @ a.double().t()).to(dtype).double()
@@ -73,7 +72,7 @@ def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", ["split", "serial", "fused"])
+@pytest.mark.parametrize("variant", ["split", "serial"])
 def test_kernel_path_matches_the_two_gemms(m, slot_rows, k, rank, dtype, variant):
     check(m, slot_rows, k, rank, dtype, variant=variant)
 
@@ -112,7 +111,8 @@ def test_column_major_buffers_are_refused():
 
 
 def test_slot_bounds_are_checked():
-    assert lora_slot_bounds([0, 96, 128], 160).tolist() == [0, 96, 128, 160]
+    bounds = lora_slot_bounds([0, 96, 128], 160).tolist()
+    assert bounds[:4] == [0, 96, 128, 160] and bounds[4:] == [0] * lora_kernels.SEMAPHORES
     with pytest.raises(ValueError, match="rise from 0"):
         lora_slot_bounds([0, 96, 64], 160)
 
@@ -138,7 +138,7 @@ def test_qwen25_7b_layer_shapes_on_the_gpu(m):
 def test_the_kernels_compile_under_a_serializing_jit_hook(monkeypatch):
     """vLLM's worker installs a Triton JIT hook after its warm-up (``vllm/triton_utils/jit_monitor.py``, 0.24), and
     Triton then JSON-serializes every later compile's constexprs: a decode size first seen after warm-up compiles
-    under it. Both kernels must compile there and stay right."""
+    under it. Every kernel must compile there and stay right."""
     import json
 
     from triton import knobs
@@ -152,9 +152,30 @@ def test_the_kernels_compile_under_a_serializing_jit_hook(monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", hook)
-    for kernel, launch in ((lora_kernels._lora_shrink_kernel, lora_kernels._shrink_launch),
-                           (lora_kernels._lora_expand_kernel, lora_kernels._expand_launch)):  # fmt: skip
-        kernel.device_caches.clear()
+    names = ("_lora_shrink_kernel", "_lora_expand_kernel", "_lora_shrink_serial_kernel", "_lora_expand_rounded_kernel")
+    for name in names:
+        getattr(lora_kernels, name).device_caches.clear()
+    for launch in (lora_kernels._shrink_launch, lora_kernels._expand_launch, lora_kernels._shrink_serial_launch,
+                   lora_kernels._expand_rounded_launch):  # fmt: skip
         launch.clear()
-    check(3, [96, 32, 32], 512, 32, torch.bfloat16)
-    assert {"_lora_shrink_kernel", "_lora_expand_kernel"} <= set(seen)
+    check(3, [96, 32, 32], 512, 32, torch.bfloat16, variant="split")
+    check(3, [96, 32, 32], 512, 32, torch.bfloat16, variant="serial")
+    assert set(names) <= set(seen)
+
+
+@needs_kernel
+def test_wide_outputs_take_the_serial_shrink(monkeypatch):
+    """gate/up-wide layers run the serial shrink (one finished ``x A^T``, a light expand); narrow ones the split
+    pair. Either way the layer's semaphores end at zero."""
+    monkeypatch.setattr(lora_kernels, "SERIAL_MIN_COLS", 40)
+    used = []
+    for name in ("_shrink_launch", "_shrink_serial_launch"):
+        real = getattr(lora_kernels, name)
+        monkeypatch.setattr(lora_kernels, name, lambda *args, real=real, name=name: used.append(name) or real(*args))
+    for slot_rows in ([16, 16], [24, 24]):
+        a, b, bounds = layer(slot_rows, 48, 8, torch.float32)
+        x, y = torch.randn(3, 48, device=DEVICE), torch.randn(3, sum(slot_rows), device=DEVICE)
+        torch.testing.assert_close(lora_delta_add(y, x, a, b, bounds, 8), lora_delta_add_reference(y, x, a, b),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        assert not bounds[3:].any()
+    assert used == ["_shrink_launch", "_shrink_serial_launch"]

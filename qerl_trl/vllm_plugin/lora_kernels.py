@@ -35,13 +35,20 @@ KERNEL_MAX_ROWS = 16
 _BK = 128  # shrink: K per inner step
 _BR = 32  # shrink: LoRA rows (of S*r) per program
 _BN = 64  # expand: output columns per program
+#: Semaphores at the tail of each layer's bounds buffer (the serial shrink needs one per row block x LoRA-row block)
+SEMAPHORES = 64
+#: Output columns from which the serial shrink and the light expand beat the split pair (gate/up's 37888-55296 at
+#: Qwen2.5 7B-32B; qkv, o and down have 3584-7168): ``lora_delta-h100.json``, rows up to 16
+SERIAL_MIN_COLS = 16384
 
 
 @triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, M, K, R, stride_xm, stride_am,
                         K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                        PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                        PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Partial ``x[:, chunk] @ A[:, chunk]^T`` of one K chunk, one block of rows and one block of LoRA rows."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the expand may start loading y now
     pid_k = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -62,7 +69,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, M, K, R, stride_xm, stride_am,
 @triton.jit
 def _lora_expand_kernel(p_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, SPLITS, stride_bn, stride_ym, stride_om,
                         S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, SC: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                        BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                        PDL: tl.constexpr = False):  # fmt: skip
     """``out = y + s_j @ B_j^T`` on one block of output columns, ``j`` the slot (packed sub-module) of each column:
     columns ``bounds[j] <= n < bounds[j+1]`` use LoRA rows ``j*RANK ..`` of the summed partials and of ``B``."""
     pid_n = tl.program_id(0)
@@ -72,6 +80,10 @@ def _lora_expand_kernel(p_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, SPLIT
     rj = tl.arange(0, RP)
     rs = tl.arange(0, SC)
     n_lo = pid_n * BN
+    ymask = (rm[:, None] < M) & (rn[None, :] < N)
+    y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=ymask, other=0.0)  # the base GEMM's, done
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the shrink's output is complete and visible past this point
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for j in tl.static_range(S):
         lo = tl.load(bounds_ptr + j)
@@ -91,18 +103,18 @@ def _lora_expand_kernel(p_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, SPLIT
                 s = s.to(tl.float32)
                 b = b.to(tl.float32)
             acc += tl.dot(s, b, input_precision=PREC)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=ymask)
 
 
 @triton.jit
 def _lora_shrink_serial_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm, stride_am, SPLITS,
                                K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                               SC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                               SC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Split-K partial of ``x @ A^T`` like :func:`_lora_shrink_kernel`; the last program of each (row, LoRA-row)
     block to finish (a semaphore) sums the block's partials in split order, writes it rounded to the activation
     dtype, and resets the semaphore to zero for the next call."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the expand may start loading y now
     pid_k = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -136,7 +148,8 @@ def _lora_shrink_serial_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, str
 @triton.jit
 def _lora_expand_rounded_kernel(s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, stride_bn, stride_ym, stride_om,
                                 S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
-                                BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                                BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                        PDL: tl.constexpr = False):  # fmt: skip
     """``out = y + s_j @ B_j^T`` from the finished shrink ``s`` ``[M, R]`` (activation dtype)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -144,6 +157,10 @@ def _lora_expand_rounded_kernel(s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, 
     rn = pid_n * BN + tl.arange(0, BN)
     rj = tl.arange(0, RP)
     n_lo = pid_n * BN
+    ymask = (rm[:, None] < M) & (rn[None, :] < N)
+    y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=ymask, other=0.0)  # the base GEMM's, done
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the shrink's output is complete and visible past this point
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for j in tl.static_range(S):
         lo = tl.load(bounds_ptr + j)
@@ -158,65 +175,23 @@ def _lora_expand_rounded_kernel(s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, 
                 s = s.to(tl.float32)
                 b = b.to(tl.float32)
             acc += tl.dot(s, b, input_precision=PREC)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
-
-
-@triton.jit
-def _lora_fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, K, stride_xm, stride_am, stride_bn,
-                       stride_ym, stride_om, S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """One launch: each program computes its slot's whole shrink ``x @ A_j^T`` itself (A_j is re-read from L2 by
-    every program of the slot), rounds it to the activation dtype and expands it onto its block of columns."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rj = tl.arange(0, RP)
-    n_lo = pid_n * BN
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for j in tl.static_range(S):
-        lo = tl.load(bounds_ptr + j)
-        hi = tl.load(bounds_ptr + j + 1)
-        if (lo < n_lo + BN) & (hi > n_lo):
-            s = tl.zeros((BM, RP), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                rk = k0 + tl.arange(0, BK)
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                            other=0.0)  # fmt: skip
-                a = tl.load(a_ptr + (j * RANK + rj[None, :]) * stride_am + rk[:, None],
-                            mask=(rj[None, :] < RANK) & (rk[:, None] < K), other=0.0)  # fmt: skip
-                if UPCAST:
-                    x = x.to(tl.float32)
-                    a = a.to(tl.float32)
-                s += tl.dot(x, a, input_precision=PREC)
-            in_slot = (rn >= lo) & (rn < hi)
-            b = tl.load(b_ptr + rn[None, :] * stride_bn + j * RANK + rj[:, None],
-                        mask=in_slot[None, :] & (rj[:, None] < RANK), other=0.0)  # fmt: skip
-            s = s.to(b.dtype)
-            if UPCAST:
-                s = s.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(s, b, input_precision=PREC)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=ymask)
 
 
 _shrink_launch = KernelLauncher(_lora_shrink_kernel)
 _expand_launch = KernelLauncher(_lora_expand_kernel)
 _shrink_serial_launch = KernelLauncher(_lora_shrink_serial_kernel)
 _expand_rounded_launch = KernelLauncher(_lora_expand_rounded_kernel)
-_fused_launch = KernelLauncher(_lora_fused_kernel)
 
 
 def lora_slot_bounds(slot_starts: list[int], out_rows: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``int32 [S+1]``: where each packed sub-module's output rows start in the layer's local output, then the end."""
+    """``int32 [S+1+SEMAPHORES]``: where each packed sub-module's output rows start in the layer's local output, the
+    end, then :data:`SEMAPHORES` zeros: the serial shrink's per-block semaphores, which it leaves at zero. One such
+    buffer per layer, so no two layers share a semaphore."""
     bounds = [int(s) for s in slot_starts] + [int(out_rows)]
     if bounds != sorted(bounds) or bounds[0] != 0:
         raise ValueError(f"LoRA slot starts must rise from 0 to the output size, got {bounds}.")
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
+    return torch.tensor(bounds + [0] * SEMAPHORES, dtype=torch.int32, device=device)
 
 
 def lora_delta_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -230,29 +205,26 @@ def _use_kernel(x: torch.Tensor, rows: int) -> bool:
 
 
 def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, rank: int,
-            variant: str = "split", bn: int = _BN, bk: int = _BK, semaphores: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            variant: str | None = None, bn: int = _BN, bk: int = _BK, semaphores: torch.Tensor | None = None,
+            pdl: bool = False) -> torch.Tensor:  # fmt: skip
     n, k = y.shape[-1], x.shape[-1]
+    variant = variant or ("serial" if n >= SERIAL_MIN_COLS else "split")
     if a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("lora_delta_add: the LoRA buffers A and B must be row-major (contiguous rows).")
     x2, y2 = x.reshape(-1, k), y.reshape(-1, n)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     y2 = y2 if y2.stride(-1) == 1 else y2.contiguous()
     m, r_total = x2.shape[0], a.shape[0]
-    slots = bounds.numel() - 1
+    slots = r_total // rank
+    semaphores = bounds[slots + 1 :] if semaphores is None else semaphores
     # The interpreter's 16-bit tl.dot returns garbage (Triton 3.6-3.9): there the dot inputs go to fp32 first
     upcast = _interpreting()
+    pdl = pdl and not upcast  # the interpreter has no grid dependency control
     prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     bm = min(64, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, bm)
     rp = max(16, triton.next_power_of_2(rank))
     out = torch.empty_like(y2)
-    if variant == "fused":
-        _fused_launch((triton.cdiv(n, bn), m_blocks),
-                      (x2, a, b, y2, out, bounds, m, n, k, x2.stride(0), a.stride(0), b.stride(0), y2.stride(0),
-                       out.stride(0)),
-                      ("fused", slots, rank, rp, bm, bn, bk, prec, upcast),
-                      dict(S=slots, RANK=rank, RP=rp, BM=bm, BN=bn, BK=bk, PREC=prec, UPCAST=upcast))  # fmt: skip
-        return out.view(y.shape)
     # about 512 fp32 partial rows per output row block: enough K splits to fill the GPU at one row, few enough that
     # the expand's re-reads of the partials stay small at 64
     k_blocks = triton.cdiv(k, bk)
@@ -268,21 +240,23 @@ def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
         sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * _BR)))
         _shrink_serial_launch((splits, r_blocks, m_blocks),
                               (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), splits),
-                              ("shrink_serial", k_chunk, bm, bk, sc, prec, upcast),
-                              dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast))  # fmt: skip
+                              ("shrink_serial", k_chunk, bm, bk, sc, prec, upcast, pdl),
+                              dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast, PDL=pdl))  # fmt: skip
         _expand_rounded_launch((triton.cdiv(n, bn), m_blocks),
                                (shrunk, b, y2, out, bounds, m, n, r_total, b.stride(0), y2.stride(0), out.stride(0)),
-                               ("expand_rounded", slots, rank, rp, bm, bn, prec, upcast),
-                               dict(S=slots, RANK=rank, RP=rp, BM=bm, BN=bn, PREC=prec, UPCAST=upcast))  # fmt: skip
+                               ("expand_rounded", slots, rank, rp, bm, bn, prec, upcast, pdl),
+                               dict(S=slots, RANK=rank, RP=rp, BM=bm, BN=bn, PREC=prec, UPCAST=upcast, PDL=pdl),
+                               dict(launch_pdl=True) if pdl else None)  # fmt: skip
         return out.view(y.shape)
     _shrink_launch((splits, triton.cdiv(r_total, _BR), m_blocks), (x2, a, partials, m, k, r_total, x2.stride(0), a.stride(0)),
-                   ("shrink", k_chunk, bm, bk, prec, upcast),
-                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, PREC=prec, UPCAST=upcast))  # fmt: skip
+                   ("shrink", k_chunk, bm, bk, prec, upcast, pdl),
+                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, PREC=prec, UPCAST=upcast, PDL=pdl))  # fmt: skip
     sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * rp)))  # partials summed per step
     _expand_launch((triton.cdiv(n, bn), m_blocks),
                    (partials, b, y2, out, bounds, m, n, r_total, splits, b.stride(0), y2.stride(0), out.stride(0)),
-                   ("expand", slots, rank, rp, sc, bm, bn, prec, upcast),
-                   dict(S=slots, RANK=rank, RP=rp, SC=sc, BM=bm, BN=bn, PREC=prec, UPCAST=upcast))  # fmt: skip
+                   ("expand", slots, rank, rp, sc, bm, bn, prec, upcast, pdl),
+                   dict(S=slots, RANK=rank, RP=rp, SC=sc, BM=bm, BN=bn, PREC=prec, UPCAST=upcast, PDL=pdl),
+                   dict(launch_pdl=True) if pdl else None)  # fmt: skip
     return out.view(y.shape)
 
 
