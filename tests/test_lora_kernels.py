@@ -128,10 +128,11 @@ def test_the_op_traces_under_torch_compile():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 128])
-def test_qwen25_7b_layer_shapes_on_the_gpu(m):
+@pytest.mark.parametrize("variant", ["split", "serial"])
+def test_qwen25_7b_layer_shapes_on_the_gpu(m, variant):
     # qkv (q 3584, k/v 512), o, gate/up (18944 each), down at r=32, bf16 as vLLM serves them
     for slot_rows, k in (([3584, 512, 512], 3584), ([3584], 3584), ([18944, 18944], 3584), ([3584], 18944)):
-        check(m, slot_rows, k, 32, torch.bfloat16)
+        check(m, slot_rows, k, 32, torch.bfloat16, variant=variant)
 
 
 @pytest.mark.gpu
