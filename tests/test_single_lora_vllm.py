@@ -101,6 +101,11 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
                 return SingleLoRALinearMethod(PlainMethod(), names, RANK)
             return PlainMethod()
 
+    if mode.endswith("+serial"):  # every layer through the serial shrink (else only gate/up-wide ones take it)
+        from qerl_trl.vllm_plugin import lora_kernels
+
+        lora_kernels.SERIAL_MIN_COLS = 0
+        mode = mode.removesuffix("+serial")
     dtype = torch.float32 if mode == "plain" else torch.bfloat16
     torch.set_default_dtype(dtype)
     torch.set_float32_matmul_precision("highest")  # plain mode compares fp32 to 1e-5: no TF32 on a GPU
@@ -272,11 +277,12 @@ def test_untargeted_linears_keep_the_plain_method_and_partly_targeted_packs_get_
     assert max(errs.values()) < 1e-5, errs
 
 
-@pytest.mark.parametrize("tp_size", [1, 2])
-def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size):
+@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (1, "nvfp4+serial"), (2, "nvfp4"), (2, "nvfp4+serial")])
+def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size, mode):
     """QeRLNVFP4LoRAConfig on vLLM's compressed-tensors NVFP4A16 scheme (Marlin on a GPU; on CPU a dequantizing
-    stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference."""
-    for tp_rank, errs, filled, moves in _run(tp_size, ALL, mode="nvfp4"):
+    stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference, through either LoRA
+    kernel pair (the test's layers are narrower than ``SERIAL_MIN_COLS``; ``+serial`` lowers it to 0)."""
+    for tp_rank, errs, filled, moves in _run(tp_size, ALL, mode=mode):
         assert filled == 4, (tp_rank, filled)
         assert max(errs.values()) < 2e-2, (tp_rank, errs)  # bf16 activations, LoRA buffers and outputs
         assert moves > 0.5, moves
