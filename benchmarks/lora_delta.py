@@ -3,11 +3,18 @@
     python benchmarks/lora_delta.py [--out-dir benchmarks/results]        # -> lora_delta-<gpu>.json
 
 What the single-LoRA vLLM path (``vllm_lora_backend="qerl"``) adds to each NVFP4 linear at decode, at Qwen2.5
-layer shapes, r=32, bf16. Each call is timed as vLLM runs decode: 20 calls back to back inside one CUDA graph,
-replayed 200 times, so launch gaps are the graph's, not the host's. Rows ``{size, layer, rows, path, us}``, where
-``path`` is ``kernel`` (:func:`qerl_trl.vllm_plugin.lora_kernels._launch`, the product path up to
-``KERNEL_MAX_ROWS`` rows) or ``cublas`` (``lora_delta_add_reference``, the two GEMMs it replaced), plus
-``kernel_vs_cublas``. A per-step figure: sum over a layer's four linears x the number of layers.
+layer shapes, r=32, bf16. Each arm is timed as vLLM runs decode: one call per distinct copy of the layer's A and
+B, back to back inside one CUDA graph, replayed 100 times. The launch gaps are the graph's, not the host's. The
+copies add up to 160 MB (at least 8 and at most 64 copies), so A and B mostly come from HBM, as in decode, where
+every other layer's weights evict them from the 50 MB L2.
+
+Rows ``{size, layer, rows, path, variant, bn, bk, us, vs_cublas, max_rel_err_vs_cublas}``. ``path`` is one of:
+
+* ``cublas``: ``lora_delta_add_reference``, the two GEMMs;
+* ``shipped``: ``lora_delta_add`` as the product dispatches it, up to ``KERNEL_MAX_ROWS`` rows;
+* ``kernel``: with ``--sweep``, every ``SWEEP`` configuration of ``lora_kernels._launch``.
+
+A per-step figure is printed: the sum over a layer's four linears times the number of layers.
 """
 
 from __future__ import annotations
@@ -56,8 +63,8 @@ def graph_us(fns, replays: int = 100) -> float:
     return start.elapsed_time(end) * 1000 / (replays * len(fns))
 
 
-#: (variant, column block, K step, programmatic dependent launch) tried by ``--sweep``
-SWEEP = [("split", 64, 128, False), ("serial", 64, 128, False), ("split", 64, 128, True), ("serial", 64, 128, True)]
+#: (variant, column block, K step) tried by ``--sweep``
+SWEEP = [("split", 64, 128), ("serial", 64, 128), ("serial", 128, 128)]
 
 
 def layer_copies(slot_rows: list[int], k: int, r: int, copies: int, dev: str, dt: torch.dtype):
@@ -102,10 +109,9 @@ def main() -> None:
                 want = lk.lora_delta_add_reference(y, x, la, lb).float()
                 arms = {("cublas", None, None, None): lambda p: lk.lora_delta_add_reference(y, x, *p)}
                 configs = SWEEP if a.sweep else []
-                for v, bn, bk, pdl in configs:
-                    arms[("kernel", v + ("+pdl" if pdl else ""), bn, bk)] = (
-                        lambda p, v=v, bn=bn, bk=bk, pdl=pdl: lk._launch(y, x, *p, bounds, r, variant=v, bn=bn, bk=bk,
-                                                                         pdl=pdl))  # fmt: skip
+                for v, bn, bk in configs:
+                    arms[("kernel", v, bn, bk)] = (
+                        lambda p, v=v, bn=bn, bk=bk: lk._launch(y, x, *p, bounds, r, variant=v, bn=bn, bk=bk))  # fmt: skip
                 if m <= lk.KERNEL_MAX_ROWS:
                     arms[("shipped", None, None, None)] = lambda p: lk.lora_delta_add(y, x, *p, bounds, r)
                 base = None

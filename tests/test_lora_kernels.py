@@ -180,3 +180,18 @@ def test_wide_outputs_take_the_serial_shrink(monkeypatch):
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
         assert not bounds[3:].any()
     assert used == ["_shrink_launch", "_shrink_serial_launch"]
+
+
+@needs_kernel
+def test_a_layer_without_semaphores_enough_takes_the_split_pair(monkeypatch):
+    """A LoRA rank too large for the layer's semaphores (here a bounds buffer cut to one) falls back to the split
+    pair instead of failing inside the engine."""
+    monkeypatch.setattr(lora_kernels, "SERIAL_MIN_COLS", 40)
+    used = []
+    real = lora_kernels._shrink_launch
+    monkeypatch.setattr(lora_kernels, "_shrink_launch", lambda *args: used.append("split") or real(*args))
+    a, b, bounds = layer([24, 24], 48, 32, torch.float32)  # two LoRA-row blocks of 32: two semaphores needed
+    x, y = torch.randn(2, 48, device=DEVICE), torch.randn(2, 48, device=DEVICE)
+    torch.testing.assert_close(lora_delta_add(y, x, a, b, bounds[:4], 32), lora_delta_add_reference(y, x, a, b),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    assert used == ["split"]

@@ -6,13 +6,27 @@ cuBLAS runs on a handful of SMs, and its expand reads a block-diagonal ``B`` who
 the bytes it needs. On the H100 the two GEMMs took 9.5-13 µs per linear in a CUDA graph, and the LoRA cost 45% of
 NVFP4 decode at batch 1 (``benchmarks/results/rollout-h100.json``).
 
-Here the shrink splits K over many programs and writes fp32 partial sums (``[splits, rows, S*r]``); the expand
-sums the partials of its slot, rounds them to the activation dtype (as the plain path's bf16 shrink output is),
-reads only the diagonal block of ``B`` that its output rows belong to, and adds the product to ``y``. No atomics
-(deterministic), no memset, no host sync, fixed launch shapes per row count (CUDA-graph safe).
+Here the shrink splits K over many programs and writes fp32 partial sums (``[splits, rows, S*r]``), and the expand
+reads only the diagonal block of ``B`` that its output rows belong to and adds the product to ``y``. Two pairs,
+picked by the layer's output width:
+
+* **split** (qkv, o, down): each expand program sums its slot's partials itself. No atomics, no memset.
+* **serial** (gate/up, at least :data:`SERIAL_MIN_COLS` columns): there the expand has 600-900 programs, and
+  re-summing the partials in each cost more than the rest of the delta. Instead, the last shrink program of each
+  block sums them once, in split order, behind a semaphore it resets to zero. The semaphores sit at the tail of the
+  layer's bounds buffer, one buffer per layer.
+
+Both round the shrink to the activation dtype, as the plain path's bf16 GEMM does. Both are deterministic, need no
+host sync, and have fixed launch shapes per row count (CUDA-graph safe). On the H100 (``lora_delta-h100.json``,
+L2-cold, in CUDA graphs) a Qwen2.5-7B decode step's LoRA deltas take 0.92 / 1.03 ms at 1 / 16 rows. cuBLAS takes
+1.37 / 1.33 ms there, and the split pair alone 0.99 / 1.23 ms. The floor is the two launches per linear (6-8 µs
+together), not the bytes. One fused launch that recomputes its slot's shrink in every program was measured too:
+it was 2-6x slower, because of each program's serial K loop.
 
 :func:`lora_delta_add` is a ``torch.library`` custom op, opaque to torch.compile (vLLM compiles the model), and
-falls back to the two GEMMs above :data:`KERNEL_MAX_ROWS` rows, where cuBLAS is as fast or faster.
+falls back to the two GEMMs above :data:`KERNEL_MAX_ROWS` rows, where cuBLAS is as fast or faster. It leaves every
+input as it found it: the semaphores go back to zero. One layer's op never runs concurrently with itself: vLLM runs
+the model on one stream.
 """
 
 from __future__ import annotations
@@ -26,29 +40,26 @@ from qerl_trl.nvfp4.triton_kernels import _interpreting
 
 __all__ = ["KERNEL_MAX_ROWS", "lora_delta_add", "lora_delta_add_reference", "lora_slot_bounds"]
 
-#: Rows (tokens) up to which the Triton pair runs; above it the two cuBLAS GEMMs. From
-#: ``benchmarks/results/lora_delta-h100.json`` (Qwen2.5 7B and 32B layers, r=32): per decode step the pair took
-#: 0.88 / 1.06 / 1.11 ms against cuBLAS's 1.18 / 1.11 / 1.14 ms at 1 / 8 / 16 rows (7B), but 1.60 / 1.76 against
-#: 1.25 / 1.40 ms at 64 / 128 rows, where its expand's re-summed partials and 600 programs over gate/up's 37888
-#: columns cost more than cuBLAS's extra tiles.
+#: Rows (tokens) up to which the Triton pairs run; above it the two cuBLAS GEMMs. From
+#: ``benchmarks/results/lora_delta-h100.json`` (Qwen2.5 7B and 32B layers, r=32, L2-cold): at 32 rows every kernel
+#: variant lost to cuBLAS on qkv, o and down (7B: 14.4 / 12.6 / 16.3 µs against 12.0 / 11.0 / 12.5).
 KERNEL_MAX_ROWS = 16
 _BK = 128  # shrink: K per inner step
 _BR = 32  # shrink: LoRA rows (of S*r) per program
 _BN = 64  # expand: output columns per program
 #: Semaphores at the tail of each layer's bounds buffer (the serial shrink needs one per row block x LoRA-row block)
 SEMAPHORES = 64
-#: Output columns from which the serial shrink and the light expand beat the split pair (gate/up's 37888-55296 at
-#: Qwen2.5 7B-32B; qkv, o and down have 3584-7168): ``lora_delta-h100.json``, rows up to 16
+#: Output columns from which the serial pair beats the split pair. Qwen2.5 7B-32B gate/up has 37888-55296 columns:
+#: 9.8-10.9 µs against 12.6-18.1 µs at 1-16 rows. qkv, o and down have 3584-7168 columns, where the split pair is
+#: 1.4-2.2 µs faster (``lora_delta-h100.json``).
 SERIAL_MIN_COLS = 16384
 
 
 @triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, M, K, R, stride_xm, stride_am,
                         K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                        PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                        PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """Partial ``x[:, chunk] @ A[:, chunk]^T`` of one K chunk, one block of rows and one block of LoRA rows."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the expand may start loading y now
     pid_k = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -69,8 +80,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, M, K, R, stride_xm, stride_am,
 @triton.jit
 def _lora_expand_kernel(p_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, SPLITS, stride_bn, stride_ym, stride_om,
                         S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, SC: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                        PDL: tl.constexpr = False):  # fmt: skip
+                        BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """``out = y + s_j @ B_j^T`` on one block of output columns, ``j`` the slot (packed sub-module) of each column:
     columns ``bounds[j] <= n < bounds[j+1]`` use LoRA rows ``j*RANK ..`` of the summed partials and of ``B``."""
     pid_n = tl.program_id(0)
@@ -82,8 +92,6 @@ def _lora_expand_kernel(p_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, SPLIT
     n_lo = pid_n * BN
     ymask = (rm[:, None] < M) & (rn[None, :] < N)
     y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=ymask, other=0.0)  # the base GEMM's, done
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the shrink's output is complete and visible past this point
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for j in tl.static_range(S):
         lo = tl.load(bounds_ptr + j)
@@ -109,12 +117,10 @@ def _lora_expand_kernel(p_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, SPLIT
 @triton.jit
 def _lora_shrink_serial_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm, stride_am, SPLITS,
                                K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                               SC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                               SC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """Split-K partial of ``x @ A^T`` like :func:`_lora_shrink_kernel`; the last program of each (row, LoRA-row)
     block to finish (a semaphore) sums the block's partials in split order, writes it rounded to the activation
     dtype, and resets the semaphore to zero for the next call."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the expand may start loading y now
     pid_k = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -148,8 +154,7 @@ def _lora_shrink_serial_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, str
 @triton.jit
 def _lora_expand_rounded_kernel(s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, stride_bn, stride_ym, stride_om,
                                 S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
-                                BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                        PDL: tl.constexpr = False):  # fmt: skip
+                                BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """``out = y + s_j @ B_j^T`` from the finished shrink ``s`` ``[M, R]`` (activation dtype)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -159,8 +164,6 @@ def _lora_expand_rounded_kernel(s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, 
     n_lo = pid_n * BN
     ymask = (rm[:, None] < M) & (rn[None, :] < N)
     y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=ymask, other=0.0)  # the base GEMM's, done
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the shrink's output is complete and visible past this point
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for j in tl.static_range(S):
         lo = tl.load(bounds_ptr + j)
@@ -205,10 +208,8 @@ def _use_kernel(x: torch.Tensor, rows: int) -> bool:
 
 
 def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, rank: int,
-            variant: str | None = None, bn: int = _BN, bk: int = _BK, semaphores: torch.Tensor | None = None,
-            pdl: bool = False) -> torch.Tensor:  # fmt: skip
+            variant: str | None = None, bn: int = _BN, bk: int = _BK, semaphores: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     n, k = y.shape[-1], x.shape[-1]
-    variant = variant or ("serial" if n >= SERIAL_MIN_COLS else "split")
     if a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("lora_delta_add: the LoRA buffers A and B must be row-major (contiguous rows).")
     x2, y2 = x.reshape(-1, k), y.reshape(-1, n)
@@ -219,11 +220,13 @@ def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     semaphores = bounds[slots + 1 :] if semaphores is None else semaphores
     # The interpreter's 16-bit tl.dot returns garbage (Triton 3.6-3.9): there the dot inputs go to fp32 first
     upcast = _interpreting()
-    pdl = pdl and not upcast  # the interpreter has no grid dependency control
     prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     bm = min(64, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, bm)
     rp = max(16, triton.next_power_of_2(rank))
+    r_blocks = triton.cdiv(r_total, _BR)
+    if variant is None:  # the serial pair where it wins and the layer has semaphores enough (ranks up to 1024)
+        variant = "serial" if n >= SERIAL_MIN_COLS and semaphores.numel() >= r_blocks * m_blocks else "split"
     out = torch.empty_like(y2)
     # about 512 fp32 partial rows per output row block: enough K splits to fill the GPU at one row, few enough that
     # the expand's re-reads of the partials stay small at 64
@@ -233,30 +236,27 @@ def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     splits = triton.cdiv(k, k_chunk)
     partials = torch.empty((splits, m, r_total), device=x.device, dtype=torch.float32)
     if variant == "serial":
-        r_blocks = triton.cdiv(r_total, _BR)
-        if semaphores is None or semaphores.numel() < r_blocks * m_blocks:
+        if semaphores.numel() < r_blocks * m_blocks:
             raise ValueError(f"the serial shrink needs {r_blocks * m_blocks} zeroed int32 semaphores")
         shrunk = torch.empty((m, r_total), device=x.device, dtype=x.dtype)
         sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * _BR)))
         _shrink_serial_launch((splits, r_blocks, m_blocks),
                               (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), splits),
-                              ("shrink_serial", k_chunk, bm, bk, sc, prec, upcast, pdl),
-                              dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast, PDL=pdl))  # fmt: skip
+                              ("shrink_serial", k_chunk, bm, bk, sc, prec, upcast),
+                              dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast))  # fmt: skip
         _expand_rounded_launch((triton.cdiv(n, bn), m_blocks),
                                (shrunk, b, y2, out, bounds, m, n, r_total, b.stride(0), y2.stride(0), out.stride(0)),
-                               ("expand_rounded", slots, rank, rp, bm, bn, prec, upcast, pdl),
-                               dict(S=slots, RANK=rank, RP=rp, BM=bm, BN=bn, PREC=prec, UPCAST=upcast, PDL=pdl),
-                               dict(launch_pdl=True) if pdl else None)  # fmt: skip
+                               ("expand_rounded", slots, rank, rp, bm, bn, prec, upcast),
+                               dict(S=slots, RANK=rank, RP=rp, BM=bm, BN=bn, PREC=prec, UPCAST=upcast))  # fmt: skip
         return out.view(y.shape)
     _shrink_launch((splits, triton.cdiv(r_total, _BR), m_blocks), (x2, a, partials, m, k, r_total, x2.stride(0), a.stride(0)),
-                   ("shrink", k_chunk, bm, bk, prec, upcast, pdl),
-                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, PREC=prec, UPCAST=upcast, PDL=pdl))  # fmt: skip
+                   ("shrink", k_chunk, bm, bk, prec, upcast),
+                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, PREC=prec, UPCAST=upcast))  # fmt: skip
     sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * rp)))  # partials summed per step
     _expand_launch((triton.cdiv(n, bn), m_blocks),
                    (partials, b, y2, out, bounds, m, n, r_total, splits, b.stride(0), y2.stride(0), out.stride(0)),
-                   ("expand", slots, rank, rp, sc, bm, bn, prec, upcast, pdl),
-                   dict(S=slots, RANK=rank, RP=rp, SC=sc, BM=bm, BN=bn, PREC=prec, UPCAST=upcast, PDL=pdl),
-                   dict(launch_pdl=True) if pdl else None)  # fmt: skip
+                   ("expand", slots, rank, rp, sc, bm, bn, prec, upcast),
+                   dict(S=slots, RANK=rank, RP=rp, SC=sc, BM=bm, BN=bn, PREC=prec, UPCAST=upcast))  # fmt: skip
     return out.view(y.shape)
 
 
