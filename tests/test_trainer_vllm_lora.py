@@ -221,6 +221,17 @@ def test_peft_lora_modules_give_vllm_names_and_the_scaling_the_engine_folds_in(u
     torch.testing.assert_close(q.base_layer(x) + x @ buf_a.T @ buf_b.T, q(x), rtol=1e-5, atol=1e-5)
 
 
+def test_what_the_single_lora_engine_cannot_serve_names_the_other_backend():
+    from qerl_trl.vllm_plugin import lora_quantization_overrides
+
+    model = get_peft_model(tiny_model(dtype=torch.float32), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    model.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] = 5.0  # two scalings
+    with pytest.raises(ValueError, match=r"one LoRA scaling.*vllm_lora_backend='vllm'"):
+        vl.peft_lora_modules(model)
+    with pytest.raises(ValueError, match=r"compressed-tensors NVFP4A16.*vllm_lora_backend='vllm'"):
+        lora_quantization_overrides({"quantization_config": {"quant_method": "bitsandbytes"}}, 8, ["q_proj"])
+
+
 def test_lora_serving_llm_without_adapters_passes_generate_through():
     fake = _FakeLLM()
     llm = vl.LoRAServingLLM(fake, adapters=False)  # lora_backend="qerl": the LoRA lives in the engine's layers

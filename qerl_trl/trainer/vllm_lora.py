@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from ..vllm_plugin import OTHER_BACKEND_HINT  # the package imports no vLLM
+
 logger = logging.getLogger(__name__)
 
 WRITTEN_AGAINST = {"trl": "1.16.0", "vllm": "0.24.0"}
@@ -207,7 +209,8 @@ def peft_lora_modules(
     if not out:
         raise ValueError(f"The model has no LoRA modules for adapter {adapter_name!r}.")
     if len(scalings) != 1:
-        raise ValueError(f"vllm_lora_backend='qerl' serves one LoRA scaling, the model has {sorted(scalings)}.")
+        raise ValueError(f"vllm_lora_backend='qerl' serves one LoRA scaling, the model has {sorted(scalings)}. "
+                         f"{OTHER_BACKEND_HINT}")  # fmt: skip
     return out, scalings.pop()
 
 

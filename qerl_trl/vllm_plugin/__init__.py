@@ -12,6 +12,8 @@ from typing import Any
 
 QUANT_NAME = "qerl_nvfp4_lora"  # the quantization method's name in vLLM
 LORA_KEY = "qerl_lora"  # its LoRA spec inside the checkpoint's quantization_config
+#: What every "this LoRA or model cannot be served in-layer" error ends with: the other backend serves it
+OTHER_BACKEND_HINT = "QeRLGRPOConfig(vllm_lora_backend='vllm') serves it through vLLM's own LoRA adapters instead."
 
 
 def register(strict: bool = False) -> None:
@@ -41,7 +43,7 @@ def lora_quantization_overrides(checkpoint_config: Mapping[str, Any], rank: int,
     if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
         raise ValueError(
             f"The single-LoRA vLLM path serves compressed-tensors NVFP4A16 checkpoints; this one has "
-            f"quantization_config={quant!r}."
+            f"quantization_config={quant!r}. {OTHER_BACKEND_HINT}"
         )
     targets = sorted(set(target_modules))
     if not targets:

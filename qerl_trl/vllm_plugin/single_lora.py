@@ -35,7 +35,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
-from . import LORA_KEY, QUANT_NAME
+from . import LORA_KEY, OTHER_BACKEND_HINT, QUANT_NAME
 from .lora_kernels import lora_delta_add, lora_slot_bounds
 from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
 
@@ -60,7 +60,8 @@ def layer_lora_plan(
     if len(names) != len(output_partition_sizes):
         raise ValueError(
             f"{type(layer).__name__} packs {len(output_partition_sizes)} linears but the LoRA names are {names}: "
-            "the model class declares no packed_modules_mapping for it, which the single-LoRA path needs."
+            f"the model class declares no packed_modules_mapping for it, which the single-LoRA path needs. "
+            f"{OTHER_BACKEND_HINT}"
         )
     if isinstance(layer, QKVParallelLinear):
         kv_shard = layer.tp_rank // layer.num_kv_head_replicas
@@ -70,7 +71,7 @@ def layer_lora_plan(
     elif isinstance(layer, ReplicatedLinear):
         shards = [0] * len(names)
     else:
-        raise TypeError(f"The single-LoRA path does not know how {type(layer).__name__} is sharded.")
+        raise TypeError(f"The single-LoRA path does not know how {type(layer).__name__} is sharded. {OTHER_BACKEND_HINT}")
     return column_parallel_plan(names, output_partition_sizes, input_size_per_partition, rank, shards)
 
 
@@ -186,6 +187,7 @@ def push_lora_in_place(model: nn.Module, adapters: Mapping[str, tuple[torch.Tens
     if missing:
         raise KeyError(
             f"{len(missing)} LoRA modules have no single-LoRA layer in vLLM's model, e.g. {missing[:3]}: the engine "
-            "was built for other target modules."
+            "was built for other target modules, or they are not linear layers vLLM quantizes (embeddings, the LM "
+            f"head). {OTHER_BACKEND_HINT}"
         )
     return layers
