@@ -11,6 +11,7 @@ because a random model almost never samples EOS, so every arm does the same work
   mode: TRL's level 2);
 * ``qerl``: ``QeRLGRPOTrainer`` on an NVFP4A16 checkpoint, AQN on, vLLM colocate with the LoRA served as an
   adapter (sleep mode: level 1);
+* ``qerl_single_lora``: the same with ``vllm_lora_backend="qerl"``: the LoRA inside QeRL's vLLM quantization method;
 * ``trl_qlora``: TRL's ``GRPOTrainer`` with a bitsandbytes NF4 base (QLoRA, the paper's other baseline). TRL 1.16
   builds its colocated engine with vLLM's in-flight bitsandbytes quantization and syncs by merging the LoRA into
   the NF4 base; ``qlora_generation`` rows with ``hf`` generate with the training model instead (``use_vllm=False``).
@@ -48,9 +49,9 @@ sys.path.insert(0, REPO)
 
 ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora")
 #: QeRL arms: "qerl" serves the LoRA through vLLM's LoRA adapters, "qerl_single_lora" through QeRL's single-LoRA
-#: vLLM method (QeRLGRPOConfig.vllm_lora_backend="qerl"); not in the default matrix until it has run on a GPU
+#: vLLM method (QeRLGRPOConfig.vllm_lora_backend="qerl")
 QERL_ARMS = {"qerl": "vllm", "qerl_single_lora": "qerl"}
-DEFAULT_ARMS = ("trl_bf16", "qerl", "trl_qlora")
+DEFAULT_ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora")
 SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b"}
 #: vLLM's share of the GPU, the same for every arm of a size (what a BF16 engine needs for weights + KV cache).
 GPU_MEMORY_UTILIZATION = {"1.5b": 0.3, "7b": 0.35, "14b": 0.55, "32b": 0.45}

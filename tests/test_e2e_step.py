@@ -65,8 +65,8 @@ def test_matrix_names_are_unique_and_selectable():
     assert {s.arm for s in e2e.default_matrix()} == set(e2e.DEFAULT_ARMS)
     picked = e2e.select(e2e.default_matrix(), ["7b"], ["qerl"], ["8x8-512-sleep"])
     assert [s.name for s in picked] == ["7b/qerl/8x8-512-sleep"]
-    # the single-LoRA arm runs when asked for, on the same settings
-    both = e2e.select(e2e.default_matrix(["qerl", "qerl_single_lora"]), ["7b"], ["qerl", "qerl_single_lora"], ["2x8-512-nosleep"])
+    # both QeRL LoRA backends run on the same settings
+    both = e2e.select(e2e.default_matrix(), ["7b"], ["qerl", "qerl_single_lora"], ["2x8-512-nosleep"])
     assert [s.name for s in both] == ["7b/qerl/2x8-512-nosleep", "7b/qerl_single_lora/2x8-512-nosleep"]
     assert set(e2e.QERL_ARMS) | set(e2e.DEFAULT_ARMS) == set(e2e.ARMS)
 
