@@ -289,6 +289,25 @@ def write_bf16_checkpoint(path: str, size_or_config: Any, device: str = "cpu", s
     return path
 
 
+def write_config_dir(path: str, size_or_config: Any) -> str:
+    """config.json (bf16), generation_config.json and the tokenizer of a Qwen2.5-shaped model, and no weights: what
+    vLLM's ``load_format="dummy"`` needs to serve it with random weights. This is how a BF16 model too large for the
+    GPU machine's disk (32B, 65 GB) is served. Returns ``path``; nothing is done when ``path/config.json`` exists."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    config = _resolve_config(size_or_config)
+    tmp = _tmp_dir(path)
+    try:
+        _save_generation_config(config, tmp)
+        write_tokenizer(tmp, config.vocab_size, model_max_length=config.max_position_embeddings)
+        config.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _finish(tmp, path)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------------- nvfp4
 def _chunk_rows(in_features: int, device: torch.device) -> int:
     """Rows drawn (and quantized) at once: ~4M elements on CPU, ~32M on a GPU."""

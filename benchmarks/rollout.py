@@ -7,7 +7,9 @@ Arms, each one vLLM engine in its own process (random weights; ``ignore_eos`` so
 ``--gen-len`` tokens in every arm):
 
 * ``bf16_merged``: the BF16 checkpoint, no LoRA. This is what TRL's rollout costs: it merges the LoRA into the
-  BF16 weights before every sync, so generation runs dense BF16 matmuls;
+  BF16 weights before every sync, so generation runs dense BF16 matmuls. A 32B BF16 checkpoint (65 GB) does not
+  fit the GPU machine's disk, so at 32B vLLM makes up random weights itself (``load_format="dummy"``, from a
+  config-only directory) and gets ``DUMMY_BF16_GPU_MEMORY_UTILIZATION`` of the GPU for the KV cache beside them;
 * ``nvfp4_vllm_lora``: the NVFP4A16 checkpoint (vLLM's Marlin FP4 kernel on Hopper) with a rank-``--lora-r``
   adapter on every linear, served by vLLM's multi-LoRA path as QeRL serves it today (``LoRARequest``);
 * ``nvfp4_qerl_lora``: the same checkpoint and adapter on QeRL's single-LoRA vLLM method (``qerl_nvfp4_lora``,
@@ -16,7 +18,9 @@ Arms, each one vLLM engine in its own process (random weights; ``ignore_eos`` so
 
 A row per (size, arm, batch): ``tokens_per_s`` (generated tokens over the wall time of one ``generate`` call of
 ``batch`` prompts of ``--prompt-len`` tokens; the prefill is included and small next to the decode),
-``ms_per_token_step`` and ``vs_bf16_merged``. An engine that fails or runs out of memory gives rows with its status.
+``ms_per_token_step`` and ``vs_bf16_merged``; ``weights`` (where they came from), ``kv_tokens`` (the engine's KV
+cache capacity) and ``kv_limited`` (the batch's tokens exceed it, so vLLM ran fewer sequences at once). An engine
+that fails or runs out of memory gives rows with its status.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ LORA_SCALING = 2.0  # lora_alpha = 2r
 BATCHES = (1, 8, 16, 64, 128)
 #: vLLM's share of the GPU per engine: weights plus the KV cache of 128 sequences of 768 tokens
 GPU_MEMORY_UTILIZATION = 0.85
+#: for the BF16 arm served from vLLM's dummy loader (32B: 65 GB of weights, which 0.85 of an 80 GB GPU barely holds)
+DUMMY_BF16_GPU_MEMORY_UTILIZATION = 0.93
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -107,12 +113,29 @@ def qerl_lora_engine_kwargs(checkpoint: str, r: int) -> dict:
     return {"quantization": QUANT_NAME, "hf_overrides": overrides, "additional_config": compile_cache_marker([], overrides)}
 
 
-def unrunnable(spec: EngineSpec) -> str | None:
+def engine_source(spec: EngineSpec, work: str) -> tuple[str, dict, str]:
+    """``(model directory, extra LLM(...) arguments, where the weights come from)`` for an arm's engine. Checkpoints
+    come from ``e2e_step.prepare_checkpoints``; a BF16 model too large for the disk gets a config-only directory
+    and vLLM's dummy loader."""
     from benchmarks import e2e_step as e2e
+    from benchmarks import random_models as rm
 
-    if spec.arm == "bf16_merged" and spec.size not in e2e.BF16_MAX_SIZE:
-        return "not_run: a 32B BF16 checkpoint (65 GB) does not fit the GPU machine's 64 GiB disk"
-    return None
+    paths = e2e.checkpoint_paths(work, spec.size)
+    if spec.arm != "bf16_merged":
+        return paths["nvfp4"], {}, "random NVFP4A16 checkpoint"
+    if spec.size in e2e.BF16_MAX_SIZE:
+        return paths["bf16"], {}, "random BF16 checkpoint"
+    config_dir = rm.write_config_dir(os.path.join(work, f"{spec.size}-bf16-config"), e2e.SIZES[spec.size])
+    return (config_dir, dict(load_format="dummy", gpu_memory_utilization=DUMMY_BF16_GPU_MEMORY_UTILIZATION),
+            "vLLM dummy weights (load_format='dummy'; no checkpoint fits the disk)")  # fmt: skip
+
+
+def kv_cache_tokens(llm) -> int | None:
+    """The in-process engine's KV cache capacity in tokens (vLLM 0.24: ``cache_config.num_gpu_blocks`` x
+    ``block_size``, set after its memory profiling), or None where it cannot be read."""
+    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    blocks, block = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    return int(blocks) * int(block) if blocks and block else None
 
 
 # ------------------------------------------------------------------------------------------ one engine (child)
@@ -123,24 +146,24 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
 
     base = dict(size=spec.size, arm=spec.arm, prompt_len=spec.prompt_len, gen_len=spec.gen_len,
                 lora_r=spec.lora_r if spec.arm in LORA_ARMS else 0)  # fmt: skip
-    if why := unrunnable(spec):
-        return [dict(base, batch=b, status=why) for b in spec.batches]
     try:
         import torch
         from transformers import AutoConfig
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        paths = e2e.checkpoint_paths(work, spec.size)
-        model = paths["bf16"] if spec.arm == "bf16_merged" else paths["nvfp4"]
+        model, source_kwargs, weights = engine_source(spec, work)
+        base["weights"] = weights
         lora = spec.arm == "nvfp4_vllm_lora"
         t0 = time.perf_counter()
         lora_kwargs = dict(enable_lora=True, max_lora_rank=spec.lora_r, max_loras=1) if lora else {}
         if spec.arm == "nvfp4_qerl_lora":
             lora_kwargs = qerl_lora_engine_kwargs(model, spec.lora_r)
-        llm = LLM(model=model, gpu_memory_utilization=GPU_MEMORY_UTILIZATION, max_model_len=spec.prompt_len
-                  + spec.gen_len + 16, max_num_seqs=max(spec.batches), seed=0, **lora_kwargs)  # fmt: skip
+        source_kwargs.setdefault("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
+        llm = LLM(model=model, max_model_len=spec.prompt_len + spec.gen_len + 16, max_num_seqs=max(spec.batches),
+                  seed=0, **source_kwargs, **lora_kwargs)  # fmt: skip
         init_s = time.perf_counter() - t0
+        kv_tokens = kv_cache_tokens(llm)
         request = None
         if lora:
             from vllm.lora.request import LoRARequest
@@ -179,7 +202,9 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
             rows.append(dict(base, batch=batch, status="ok" if tokens == batch * spec.gen_len else
                              f"check_failed: {tokens} tokens generated, want {batch * spec.gen_len}",
                              wall_s=round(wall, 3), tokens=tokens, tokens_per_s=round(tokens / wall, 1),
-                             ms_per_token_step=round(1000 * wall / spec.gen_len, 3), init_s=round(init_s, 1)))  # fmt: skip
+                             ms_per_token_step=round(1000 * wall / spec.gen_len, 3), init_s=round(init_s, 1),
+                             gpu_memory_utilization=source_kwargs["gpu_memory_utilization"], kv_tokens=kv_tokens,
+                             kv_limited=bool(kv_tokens) and batch * (spec.prompt_len + spec.gen_len) > kv_tokens))  # fmt: skip
         return rows
     except BaseException as e:  # noqa: BLE001 - a failed engine is rows with its status
         return [dict(base, batch=b, status=e2e._classify(e), traceback=traceback.format_exc()[-2500:])

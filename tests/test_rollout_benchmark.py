@@ -1,6 +1,6 @@
 """CPU checks of ``benchmarks/rollout.py`` (the engines themselves run on the GPU machine): the random adapter is a
 valid PEFT LoRA on every linear of the model, speed-ups are against merged BF16 at the same size and batch, and the
-32B BF16 arm is recorded as not run."""
+32B BF16 arm is served from vLLM's dummy loader."""
 
 from __future__ import annotations
 
@@ -44,7 +44,25 @@ def test_speedups_are_against_merged_bf16_at_the_same_size_and_batch():
     assert rows[2]["lora_overhead_vs_nvfp4"] == 0.25 and rows[3]["lora_overhead_vs_nvfp4"] is None
 
 
-def test_32b_bf16_is_recorded_as_not_run():
-    spec = rollout.EngineSpec("32b", "bf16_merged", (1, 8))
-    rows = rollout.run_engine(spec, "/nonexistent")
-    assert [r["batch"] for r in rows] == [1, 8] and all(r["status"].startswith("not_run: a 32B BF16") for r in rows)
+def test_32b_bf16_is_served_from_vllms_dummy_loader(tmp_path):
+    """No 32B BF16 checkpoint fits the GPU machine's disk: the merged-BF16 arm gets a config-only directory (with the
+    tokenizer) and load_format="dummy"; 7B and the NVFP4 arms read the checkpoints prepare_checkpoints writes."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model, kwargs, weights = rollout.engine_source(rollout.EngineSpec("32b", "bf16_merged", (1,)), str(tmp_path))
+    assert kwargs == {"load_format": "dummy", "gpu_memory_utilization": rollout.DUMMY_BF16_GPU_MEMORY_UTILIZATION}
+    assert "dummy" in weights and not any(f.endswith(".safetensors") for f in os.listdir(model))
+    config = AutoConfig.from_pretrained(model)
+    assert (config.hidden_size, config.num_hidden_layers, str(config.dtype)) == (5120, 64, "torch.bfloat16")
+    assert len(AutoTokenizer.from_pretrained(model)("hello world")["input_ids"]) > 0
+    for size, arm, want in (("7b", "bf16_merged", "7b-bf16"), ("32b", "nvfp4_qerl_lora", "32b-nvfp4")):
+        model, kwargs, _ = rollout.engine_source(rollout.EngineSpec(size, arm, (1,)), str(tmp_path))
+        assert model == os.path.join(str(tmp_path), want) and kwargs == {}
+
+
+def test_kv_cache_capacity_is_read_where_vllm_keeps_it():
+    from types import SimpleNamespace as NS
+
+    llm = NS(llm_engine=NS(vllm_config=NS(cache_config=NS(num_gpu_blocks=100, block_size=16))))
+    assert rollout.kv_cache_tokens(llm) == 1600
+    assert rollout.kv_cache_tokens(NS()) is None
