@@ -19,7 +19,7 @@ picked by the layer's output width:
 Both round the shrink to the activation dtype, as the plain path's bf16 GEMM does. Both are deterministic, need no
 host sync, and have fixed launch shapes per row count (CUDA-graph safe). On the H100 (``lora_delta-h100.json``,
 L2-cold, in CUDA graphs) a Qwen2.5-7B decode step's LoRA deltas take 0.92 / 1.03 ms at 1 / 16 rows. cuBLAS takes
-1.37 / 1.33 ms there, and the split pair alone 0.99 / 1.23 ms. The floor is the two launches per linear (6-8 µs
+1.37 / 1.33 ms there, and the split pair alone 0.99 / 1.23 ms. The floor is the two launches per linear (6-11 µs
 together), not the bytes. One fused launch that recomputes its slot's shrink in every program was measured too:
 it was 2-6x slower, because of each program's serial K loop.
 
