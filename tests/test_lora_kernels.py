@@ -71,7 +71,7 @@ def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x
         (128, [64], 600, 32),  # fewer K splits at more rows
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", ["split", "serial"])
 def test_kernel_path_matches_the_two_gemms(m, slot_rows, k, rank, dtype, variant):
     check(m, slot_rows, k, rank, dtype, variant=variant)
