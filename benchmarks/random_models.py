@@ -249,6 +249,13 @@ def _save_generation_config(config, path: str) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(path)
 
 
+def _save_model_files(config, path: str) -> None:
+    """Everything but the weights: generation_config.json, the tokenizer and config.json."""
+    _save_generation_config(config, path)
+    write_tokenizer(path, config.vocab_size, model_max_length=config.max_position_embeddings)
+    config.save_pretrained(path)
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -298,9 +305,7 @@ def write_config_dir(path: str, size_or_config: Any) -> str:
     config = _resolve_config(size_or_config)
     tmp = _tmp_dir(path)
     try:
-        _save_generation_config(config, tmp)
-        write_tokenizer(tmp, config.vocab_size, model_max_length=config.max_position_embeddings)
-        config.save_pretrained(tmp)
+        _save_model_files(config, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -539,10 +544,8 @@ def write_nvfp4_checkpoint(
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
                 f.write("\n")
-        _save_generation_config(config, tmp)
-        write_tokenizer(tmp, config.vocab_size, model_max_length=config.max_position_embeddings)
         config.quantization_config = compressed_tensors_config(layout.plan.kept)
-        config.save_pretrained(tmp)
+        _save_model_files(config, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

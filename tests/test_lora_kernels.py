@@ -153,15 +153,24 @@ def test_the_kernels_compile_under_a_serializing_jit_hook(monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", hook)
-    names = ("_lora_shrink_kernel", "_lora_expand_kernel", "_lora_shrink_serial_kernel", "_lora_expand_rounded_kernel")
+    names = ("_lora_shrink_kernel", "_lora_expand_kernel")
     for name in names:
         getattr(lora_kernels, name).device_caches.clear()
-    for launch in (lora_kernels._shrink_launch, lora_kernels._expand_launch, lora_kernels._shrink_serial_launch,
-                   lora_kernels._expand_rounded_launch):  # fmt: skip
+    for launch in (lora_kernels._shrink_launch, lora_kernels._expand_launch):
         launch.clear()
     check(3, [96, 32, 32], 512, 32, torch.bfloat16, variant="split")
     check(3, [96, 32, 32], 512, 32, torch.bfloat16, variant="serial")
-    assert set(names) <= set(seen)
+    assert [n for n in seen if n in names] == [*names, *names]  # each kernel compiled once per variant
+
+
+def _spy_on_variants(monkeypatch) -> list[str]:
+    """The variant of every shrink launched from now on ("split" / "serial"), read from its SERIAL constexpr."""
+    used: list[str] = []
+    real = lora_kernels._shrink_launch
+    monkeypatch.setattr(lora_kernels, "_shrink_launch",
+                        lambda grid, args, config, constexprs: used.append("serial" if constexprs["SERIAL"] else "split")
+                        or real(grid, args, config, constexprs))  # fmt: skip
+    return used
 
 
 @needs_kernel
@@ -169,17 +178,14 @@ def test_wide_outputs_take_the_serial_shrink(monkeypatch):
     """gate/up-wide layers run the serial shrink (one finished ``x A^T``, a light expand); narrow ones the split
     pair. Either way the layer's semaphores end at zero."""
     monkeypatch.setattr(lora_kernels, "SERIAL_MIN_COLS", 40)
-    used = []
-    for name in ("_shrink_launch", "_shrink_serial_launch"):
-        real = getattr(lora_kernels, name)
-        monkeypatch.setattr(lora_kernels, name, lambda *args, real=real, name=name: used.append(name) or real(*args))
+    used = _spy_on_variants(monkeypatch)
     for slot_rows in ([16, 16], [24, 24]):
         a, b, bounds = layer(slot_rows, 48, 8, torch.float32)
         x, y = torch.randn(3, 48, device=DEVICE), torch.randn(3, sum(slot_rows), device=DEVICE)
         torch.testing.assert_close(lora_delta_add(y, x, a, b, bounds, 8), lora_delta_add_reference(y, x, a, b),
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
         assert not bounds[3:].any()
-    assert used == ["_shrink_launch", "_shrink_serial_launch"]
+    assert used == ["split", "serial"]
 
 
 @needs_kernel
@@ -187,9 +193,7 @@ def test_a_layer_without_semaphores_enough_takes_the_split_pair(monkeypatch):
     """A LoRA rank too large for the layer's semaphores (here a bounds buffer cut to one) falls back to the split
     pair instead of failing inside the engine."""
     monkeypatch.setattr(lora_kernels, "SERIAL_MIN_COLS", 40)
-    used = []
-    real = lora_kernels._shrink_launch
-    monkeypatch.setattr(lora_kernels, "_shrink_launch", lambda *args: used.append("split") or real(*args))
+    used = _spy_on_variants(monkeypatch)
     a, b, bounds = layer([24, 24], 48, 32, torch.float32)  # two LoRA-row blocks of 32: two semaphores needed
     x, y = torch.randn(2, 48, device=DEVICE), torch.randn(2, 48, device=DEVICE)
     torch.testing.assert_close(lora_delta_add(y, x, a, b, bounds[:4], 32), lora_delta_add_reference(y, x, a, b),

@@ -16,12 +16,13 @@ picked by the layer's output width:
   block sums them once, in split order, behind a semaphore it resets to zero. The semaphores sit at the tail of the
   layer's bounds buffer, one buffer per layer.
 
-Both round the shrink to the activation dtype, as the plain path's bf16 GEMM does. Both are deterministic, need no
-host sync, and have fixed launch shapes per row count (CUDA-graph safe). On the H100 (``lora_delta-h100.json``,
-L2-cold, in CUDA graphs) a Qwen2.5-7B decode step's LoRA deltas take 0.92 / 1.03 ms at 1 / 16 rows. cuBLAS takes
-1.37 / 1.33 ms there, and the split pair alone 0.99 / 1.23 ms. The floor is the two launches per linear (6-11 µs
-together), not the bytes. One fused launch that recomputes its slot's shrink in every program was measured too:
-it was 2-6x slower, because of each program's serial K loop.
+Both pairs are the same two kernels, the serial one selected by a ``SERIAL`` constexpr. Both round the shrink to
+the activation dtype, as the plain path's bf16 GEMM does. Both are deterministic, need no host sync, and have fixed
+launch shapes per row count (CUDA-graph safe). On the H100 (``lora_delta-h100.json``,
+L2-cold, in CUDA graphs, one run at 5005a69) a Qwen2.5-7B decode step's LoRA deltas take 0.92 / 1.04 ms at 1 / 16
+rows. cuBLAS takes 1.36 / 1.33 ms there, and the split pair alone 0.99 / 1.25 ms. The floor is the two launches
+per linear (6-11 µs together), not the bytes. One fused launch that recomputes its slot's shrink in every program
+was measured too: it was 2-6x slower, because of each program's serial K loop.
 
 :func:`lora_delta_add` is a ``torch.library`` custom op, opaque to torch.compile (vLLM compiles the model), and
 falls back to the two GEMMs above :data:`KERNEL_MAX_ROWS` rows, where cuBLAS is as fast or faster. It leaves every
@@ -56,71 +57,12 @@ SERIAL_MIN_COLS = 16384
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, M, K, R, stride_xm, stride_am,
-                        K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                        PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """Partial ``x[:, chunk] @ A[:, chunk]^T`` of one K chunk, one block of rows and one block of LoRA rows."""
-    pid_k = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rr = pid_r * BR + tl.arange(0, BR)
-    acc = tl.zeros((BM, BR), dtype=tl.float32)
-    for k0 in range(0, K_CHUNK, BK):
-        rk = pid_k * K_CHUNK + k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        a = tl.load(a_ptr + rr[None, :] * stride_am + rk[:, None], mask=(rr[None, :] < R) & (rk[:, None] < K), other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            a = a.to(tl.float32)
-        acc += tl.dot(x, a, input_precision=PREC)
-    tl.store(p_ptr + (pid_k * M + rm[:, None]) * R + rr[None, :], acc, mask=(rm[:, None] < M) & (rr[None, :] < R))
-
-
-@triton.jit
-def _lora_expand_kernel(p_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, SPLITS, stride_bn, stride_ym, stride_om,
-                        S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, SC: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """``out = y + s_j @ B_j^T`` on one block of output columns, ``j`` the slot (packed sub-module) of each column:
-    columns ``bounds[j] <= n < bounds[j+1]`` use LoRA rows ``j*RANK ..`` of the summed partials and of ``B``."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rj = tl.arange(0, RP)
-    rs = tl.arange(0, SC)
-    n_lo = pid_n * BN
-    ymask = (rm[:, None] < M) & (rn[None, :] < N)
-    y = tl.load(y_ptr + rm[:, None] * stride_ym + rn[None, :], mask=ymask, other=0.0)  # the base GEMM's, done
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for j in tl.static_range(S):
-        lo = tl.load(bounds_ptr + j)
-        hi = tl.load(bounds_ptr + j + 1)
-        if (lo < n_lo + BN) & (hi > n_lo):
-            s = tl.zeros((BM, RP), dtype=tl.float32)
-            for s0 in range(0, SPLITS, SC):
-                sp = s0 + rs
-                offs = (sp[:, None, None] * M + rm[None, :, None]) * R + j * RANK + rj[None, None, :]
-                mask = (sp[:, None, None] < SPLITS) & (rm[None, :, None] < M) & (rj[None, None, :] < RANK)
-                s += tl.sum(tl.load(p_ptr + offs, mask=mask, other=0.0), axis=0)
-            in_slot = (rn >= lo) & (rn < hi)
-            b = tl.load(b_ptr + rn[None, :] * stride_bn + j * RANK + rj[:, None],
-                        mask=in_slot[None, :] & (rj[:, None] < RANK), other=0.0)  # fmt: skip
-            s = s.to(b.dtype)  # the activation dtype, as the plain path's shrink output
-            if UPCAST:
-                s = s.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(s, b, input_precision=PREC)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=ymask)
-
-
-@triton.jit
-def _lora_shrink_serial_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm, stride_am, SPLITS,
-                               K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                               SC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """Split-K partial of ``x @ A^T`` like :func:`_lora_shrink_kernel`; the last program of each (row, LoRA-row)
-    block to finish (a semaphore) sums the block's partials in split order, writes it rounded to the activation
-    dtype, and resets the semaphore to zero for the next call."""
+def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm, stride_am, SPLITS,
+                        K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SC: tl.constexpr,
+                        PREC: tl.constexpr, UPCAST: tl.constexpr, SERIAL: tl.constexpr):  # fmt: skip
+    """Partial ``x[:, chunk] @ A[:, chunk]^T`` of one K chunk, one block of rows and one block of LoRA rows, stored
+    in ``p``. ``SERIAL``: the last program of each (row, LoRA-row) block to finish (a semaphore) also sums the
+    block's partials in split order into ``s``, rounded to ``s``'s dtype, and resets the semaphore to zero."""
     pid_k = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -137,25 +79,29 @@ def _lora_shrink_serial_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, str
         acc += tl.dot(x, a, input_precision=PREC)
     omask = (rm[:, None] < M) & (rr[None, :] < R)
     tl.store(p_ptr + (pid_k * M + rm[:, None]) * R + rr[None, :], acc, mask=omask)
-    sem = sem_ptr + pid_m * tl.num_programs(1) + pid_r
-    done = tl.atomic_add(sem, 1, sem="acq_rel")
-    if done == SPLITS - 1:
-        rs = tl.arange(0, SC)
-        tot = tl.zeros((BM, BR), dtype=tl.float32)
-        for s0 in range(0, SPLITS, SC):
-            sp = s0 + rs
-            offs = (sp[:, None, None] * M + rm[None, :, None]) * R + rr[None, None, :]
-            mask = (sp[:, None, None] < SPLITS) & omask[None, :, :]
-            tot += tl.sum(tl.load(p_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
-        tl.store(s_ptr + rm[:, None] * R + rr[None, :], tot.to(s_ptr.dtype.element_ty), mask=omask)
-        tl.atomic_xchg(sem, 0)
+    if SERIAL:
+        sem = sem_ptr + pid_m * tl.num_programs(1) + pid_r
+        done = tl.atomic_add(sem, 1, sem="acq_rel")
+        if done == SPLITS - 1:
+            rs = tl.arange(0, SC)
+            tot = tl.zeros((BM, BR), dtype=tl.float32)
+            for s0 in range(0, SPLITS, SC):
+                sp = s0 + rs
+                offs = (sp[:, None, None] * M + rm[None, :, None]) * R + rr[None, None, :]
+                mask = (sp[:, None, None] < SPLITS) & omask[None, :, :]
+                tot += tl.sum(tl.load(p_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
+            tl.store(s_ptr + rm[:, None] * R + rr[None, :], tot.to(s_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(sem, 0)
 
 
 @triton.jit
-def _lora_expand_rounded_kernel(s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, stride_bn, stride_ym, stride_om,
-                                S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
-                                BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """``out = y + s_j @ B_j^T`` from the finished shrink ``s`` ``[M, R]`` (activation dtype)."""
+def _lora_expand_kernel(p_ptr, s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, R, SPLITS, stride_bn, stride_ym,
+                        stride_om, S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, SC: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                        SERIAL: tl.constexpr):  # fmt: skip
+    """``out = y + s_j @ B_j^T`` on one block of output columns, ``j`` the slot (packed sub-module) of each column:
+    columns ``bounds[j] <= n < bounds[j+1]`` use LoRA rows ``j*RANK ..`` of the shrink and of ``B``. The shrink is
+    the finished ``s`` ``[M, R]`` (``SERIAL``) or the sum of the partials ``p``, rounded to the activation dtype."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -169,11 +115,21 @@ def _lora_expand_rounded_kernel(s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, 
         lo = tl.load(bounds_ptr + j)
         hi = tl.load(bounds_ptr + j + 1)
         if (lo < n_lo + BN) & (hi > n_lo):
-            s = tl.load(s_ptr + rm[:, None] * R + j * RANK + rj[None, :], mask=(rm[:, None] < M) & (rj[None, :] < RANK),
-                        other=0.0)  # fmt: skip
             in_slot = (rn >= lo) & (rn < hi)
             b = tl.load(b_ptr + rn[None, :] * stride_bn + j * RANK + rj[:, None],
                         mask=in_slot[None, :] & (rj[:, None] < RANK), other=0.0)  # fmt: skip
+            smask = (rm[:, None] < M) & (rj[None, :] < RANK)
+            if SERIAL:
+                s = tl.load(s_ptr + rm[:, None] * R + j * RANK + rj[None, :], mask=smask, other=0.0)
+            else:
+                rs = tl.arange(0, SC)
+                tot = tl.zeros((BM, RP), dtype=tl.float32)
+                for s0 in range(0, SPLITS, SC):
+                    sp = s0 + rs
+                    offs = (sp[:, None, None] * M + rm[None, :, None]) * R + j * RANK + rj[None, None, :]
+                    tot += tl.sum(tl.load(p_ptr + offs, mask=(sp[:, None, None] < SPLITS) & smask[None, :, :],
+                                          other=0.0), axis=0)  # fmt: skip
+                s = tot.to(b.dtype)  # the activation dtype, as the plain path's shrink output
             if UPCAST:
                 s = s.to(tl.float32)
                 b = b.to(tl.float32)
@@ -183,8 +139,6 @@ def _lora_expand_rounded_kernel(s_ptr, b_ptr, y_ptr, out_ptr, bounds_ptr, M, N, 
 
 _shrink_launch = KernelLauncher(_lora_shrink_kernel)
 _expand_launch = KernelLauncher(_lora_expand_kernel)
-_shrink_serial_launch = KernelLauncher(_lora_shrink_serial_kernel)
-_expand_rounded_launch = KernelLauncher(_lora_expand_rounded_kernel)
 
 
 def lora_slot_bounds(slot_starts: list[int], out_rows: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -235,28 +189,20 @@ def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     k_chunk = triton.cdiv(k_blocks, splits_wanted) * bk
     splits = triton.cdiv(k, k_chunk)
     partials = torch.empty((splits, m, r_total), device=x.device, dtype=torch.float32)
-    if variant == "serial":
-        if semaphores.numel() < r_blocks * m_blocks:
-            raise ValueError(f"the serial shrink needs {r_blocks * m_blocks} zeroed int32 semaphores")
-        shrunk = torch.empty((m, r_total), device=x.device, dtype=x.dtype)
-        sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * _BR)))
-        _shrink_serial_launch((splits, r_blocks, m_blocks),
-                              (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), splits),
-                              ("shrink_serial", k_chunk, bm, bk, sc, prec, upcast),
-                              dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast))  # fmt: skip
-        _expand_rounded_launch((triton.cdiv(n, bn), m_blocks),
-                               (shrunk, b, y2, out, bounds, m, n, r_total, b.stride(0), y2.stride(0), out.stride(0)),
-                               ("expand_rounded", slots, rank, rp, bm, bn, prec, upcast),
-                               dict(S=slots, RANK=rank, RP=rp, BM=bm, BN=bn, PREC=prec, UPCAST=upcast))  # fmt: skip
-        return out.view(y.shape)
-    _shrink_launch((splits, triton.cdiv(r_total, _BR), m_blocks), (x2, a, partials, m, k, r_total, x2.stride(0), a.stride(0)),
-                   ("shrink", k_chunk, bm, bk, prec, upcast),
-                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, PREC=prec, UPCAST=upcast))  # fmt: skip
-    sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * rp)))  # partials summed per step
+    serial = variant == "serial"
+    if serial and semaphores.numel() < r_blocks * m_blocks:
+        raise ValueError(f"the serial shrink needs {r_blocks * m_blocks} zeroed int32 semaphores")
+    # the finished shrink (serial only; the split pair passes the partials in its place, unread)
+    shrunk = torch.empty((m, r_total), device=x.device, dtype=x.dtype) if serial else partials
+    sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * (_BR if serial else rp))))  # partials per sum step
+    _shrink_launch((splits, r_blocks, m_blocks),
+                   (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), splits),
+                   ("shrink", k_chunk, bm, bk, sc, prec, upcast, serial),
+                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast, SERIAL=serial))  # fmt: skip
     _expand_launch((triton.cdiv(n, bn), m_blocks),
-                   (partials, b, y2, out, bounds, m, n, r_total, splits, b.stride(0), y2.stride(0), out.stride(0)),
-                   ("expand", slots, rank, rp, sc, bm, bn, prec, upcast),
-                   dict(S=slots, RANK=rank, RP=rp, SC=sc, BM=bm, BN=bn, PREC=prec, UPCAST=upcast))  # fmt: skip
+                   (partials, shrunk, b, y2, out, bounds, m, n, r_total, splits, b.stride(0), y2.stride(0), out.stride(0)),
+                   ("expand", slots, rank, rp, sc, bm, bn, prec, upcast, serial),
+                   dict(S=slots, RANK=rank, RP=rp, SC=sc, BM=bm, BN=bn, PREC=prec, UPCAST=upcast, SERIAL=serial))  # fmt: skip
     return out.view(y.shape)
 
 
