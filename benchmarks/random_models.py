@@ -21,6 +21,7 @@ CLI: ``python benchmarks/random_models.py {bf16,nvfp4} --size qwen2.5-7b --out D
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import itertools
@@ -224,16 +225,18 @@ def make_prompts(n: int, num_tokens: int, seed: int = 0, tokenizer: Any = None) 
 
 
 # ---------------------------------------------------------------------------------------------------- shared helpers
-def _tmp_dir(path: str) -> str:
-    """A fresh sibling directory to write into; :func:`_finish` moves it to ``path`` once complete."""
+@contextlib.contextmanager
+def _staged(path: str) -> Iterator[str]:
+    """A fresh sibling directory to write a checkpoint into. On success its files move into ``path``, config.json
+    last (its presence means complete); on any error it is deleted and ``path`` is left as it was."""
     tmp = f"{os.path.abspath(path).rstrip(os.sep)}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    return tmp
-
-
-def _finish(tmp: str, path: str) -> None:
-    """Move a fully written checkpoint from ``tmp`` into ``path``, config.json last (its presence = complete)."""
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if not os.path.exists(path):
         os.rename(tmp, path)
         return
@@ -277,8 +280,7 @@ def write_bf16_checkpoint(path: str, size_or_config: Any, device: str = "cpu", s
     config = _resolve_config(size_or_config)
     dev = torch.device(device)
     torch.manual_seed(seed)
-    tmp = _tmp_dir(path)
-    try:
+    with _staged(path) as tmp:
         with dev:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         with torch.no_grad():
@@ -289,10 +291,6 @@ def write_bf16_checkpoint(path: str, size_or_config: Any, device: str = "cpu", s
         del model
         _free(dev)
         write_tokenizer(tmp, config.vocab_size, model_max_length=config.max_position_embeddings)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _finish(tmp, path)
     return path
 
 
@@ -303,13 +301,8 @@ def write_config_dir(path: str, size_or_config: Any) -> str:
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     config = _resolve_config(size_or_config)
-    tmp = _tmp_dir(path)
-    try:
+    with _staged(path) as tmp:
         _save_model_files(config, tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _finish(tmp, path)
     return path
 
 
@@ -512,8 +505,7 @@ def write_nvfp4_checkpoint(
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
-    tmp = _tmp_dir(path)
-    try:
+    with _staged(path) as tmp:
         bar = None
         if progress:
             from tqdm import tqdm
@@ -546,10 +538,6 @@ def write_nvfp4_checkpoint(
                 f.write("\n")
         config.quantization_config = compressed_tensors_config(layout.plan.kept)
         _save_model_files(config, tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _finish(tmp, path)
     return path
 
 
