@@ -39,7 +39,7 @@ import triton.language as tl
 from qerl_trl.nvfp4._launch import KernelLauncher
 from qerl_trl.nvfp4.triton_kernels import _interpreting
 
-__all__ = ["KERNEL_MAX_ROWS", "lora_delta_add", "lora_delta_add_reference", "lora_slot_bounds"]
+__all__ = ["KERNEL_MAX_ROWS", "lora_delta_add", "lora_delta_add_reference", "lora_shrink", "lora_slot_bounds"]
 
 #: Rows (tokens) up to which the Triton pairs run; above it the two cuBLAS GEMMs. From
 #: ``benchmarks/results/lora_delta-h100.json`` (Qwen2.5 7B and 32B layers, r=32, L2-cold): at 32 rows every kernel
@@ -161,6 +161,43 @@ def _use_kernel(x: torch.Tensor, rows: int) -> bool:
     return 0 < rows <= KERNEL_MAX_ROWS and (x.is_cuda or _interpreting())
 
 
+def _shrink(x2: torch.Tensor, a: torch.Tensor, semaphores: torch.Tensor, bk: int, serial: bool, rp: int = 16
+            ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """One shrink launch: ``(partials [splits, m, R] fp32, shrunk, splits, partials per sum step)``; ``shrunk`` is
+    the finished ``x A^T`` ``[m, R]`` in ``x``'s dtype when ``serial`` (else the partials, which the split expand
+    sums itself, ``rp`` padded LoRA rows at a time)."""
+    m, k, r_total = x2.shape[0], x2.shape[1], a.shape[0]
+    upcast = _interpreting()  # the interpreter's 16-bit tl.dot returns garbage (Triton 3.6-3.9): fp32 there
+    prec = "ieee" if x2.dtype == torch.float32 or upcast else "tf32"
+    bm = min(64, max(16, triton.next_power_of_2(m)))
+    m_blocks = triton.cdiv(m, bm)
+    r_blocks = triton.cdiv(r_total, _BR)
+    # about 512 fp32 partial rows per output row block: enough K splits to fill the GPU at one row, few enough that
+    # the expand's re-reads of the partials stay small at 64
+    k_blocks = triton.cdiv(k, bk)
+    splits_wanted = max(1, min(k_blocks, 512 // bm))
+    k_chunk = triton.cdiv(k_blocks, splits_wanted) * bk
+    splits = triton.cdiv(k, k_chunk)
+    partials = torch.empty((splits, m, r_total), device=x2.device, dtype=torch.float32)
+    if serial and semaphores.numel() < r_blocks * m_blocks:
+        raise ValueError(f"the serial shrink needs {r_blocks * m_blocks} zeroed int32 semaphores")
+    shrunk = torch.empty((m, r_total), device=x2.device, dtype=x2.dtype) if serial else partials
+    sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * (_BR if serial else rp))))  # partials per sum step
+    _shrink_launch((splits, r_blocks, m_blocks),
+                   (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), splits),
+                   ("shrink", k_chunk, bm, bk, sc, prec, upcast, serial),
+                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast, SERIAL=serial))  # fmt: skip
+    return partials, shrunk, splits, sc
+
+
+def lora_shrink(x2: torch.Tensor, a: torch.Tensor, semaphores: torch.Tensor) -> torch.Tensor:
+    """``x2 A^T`` ``[m, R]`` in ``x2``'s dtype (rounded once, as a 16-bit GEMM does) in one launch: the serial
+    shrink. ``semaphores``: zeroed int32, at least ``cdiv(R, 32) * cdiv(m, 64)`` (left at zero)."""
+    if a.stride(-1) != 1 or x2.stride(-1) != 1:
+        raise ValueError("lora_shrink: x and A must have contiguous rows.")
+    return _shrink(x2, a, semaphores, _BK, True)[1]
+
+
 def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, rank: int,
             variant: str | None = None, bn: int = _BN, bk: int = _BK, semaphores: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     n, k = y.shape[-1], x.shape[-1]
@@ -172,8 +209,7 @@ def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     m, r_total = x2.shape[0], a.shape[0]
     slots = r_total // rank
     semaphores = bounds[slots + 1 :] if semaphores is None else semaphores
-    # The interpreter's 16-bit tl.dot returns garbage (Triton 3.6-3.9): there the dot inputs go to fp32 first
-    upcast = _interpreting()
+    upcast = _interpreting()  # as in _shrink
     prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     bm = min(64, max(16, triton.next_power_of_2(m)))
     m_blocks = triton.cdiv(m, bm)
@@ -182,23 +218,8 @@ def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     if variant is None:  # the serial pair where it wins and the layer has semaphores enough (ranks up to 1024)
         variant = "serial" if n >= SERIAL_MIN_COLS and semaphores.numel() >= r_blocks * m_blocks else "split"
     out = torch.empty_like(y2)
-    # about 512 fp32 partial rows per output row block: enough K splits to fill the GPU at one row, few enough that
-    # the expand's re-reads of the partials stay small at 64
-    k_blocks = triton.cdiv(k, bk)
-    splits_wanted = max(1, min(k_blocks, 512 // bm))
-    k_chunk = triton.cdiv(k_blocks, splits_wanted) * bk
-    splits = triton.cdiv(k, k_chunk)
-    partials = torch.empty((splits, m, r_total), device=x.device, dtype=torch.float32)
     serial = variant == "serial"
-    if serial and semaphores.numel() < r_blocks * m_blocks:
-        raise ValueError(f"the serial shrink needs {r_blocks * m_blocks} zeroed int32 semaphores")
-    # the finished shrink (serial only; the split pair passes the partials in its place, unread)
-    shrunk = torch.empty((m, r_total), device=x.device, dtype=x.dtype) if serial else partials
-    sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * (_BR if serial else rp))))  # partials per sum step
-    _shrink_launch((splits, r_blocks, m_blocks),
-                   (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), splits),
-                   ("shrink", k_chunk, bm, bk, sc, prec, upcast, serial),
-                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast, SERIAL=serial))  # fmt: skip
+    partials, shrunk, splits, sc = _shrink(x2, a, semaphores, bk, serial, rp)
     _expand_launch((triton.cdiv(n, bn), m_blocks),
                    (partials, shrunk, b, y2, out, bounds, m, n, r_total, splits, b.stride(0), y2.stride(0), out.stride(0)),
                    ("expand", slots, rank, rp, sc, bm, bn, prec, upcast, serial),

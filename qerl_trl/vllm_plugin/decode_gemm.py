@@ -1,0 +1,301 @@
+"""``y = x · dequant(W)ᵀ + (x · Aᵀ) · Bᵀ`` on the NVFP4A16 layout in one GEMM launch, for 1-256 rows (no vLLM imports).
+
+Why: an RL rollout decodes a few to a few hundred sequences, so every linear sees 1-256 rows, and its time is the
+read of the FP4 weight. vLLM serves NVFP4A16 on Hopper with Marlin, an Ampere design, and our LoRA then took two more
+launches per linear (``lora_kernels``). Here the weight tile is the MMA's 64-row operand and the few tokens its narrow
+one ("swap A and B": ``yᵀ = Ŵ · xᵀ``): each program streams ``BN`` weight rows from global memory, dequantizes them in
+registers (``triton_kernels``' PTX recipe, the block scale folded into the pair ``fma``), multiplies them with all the
+tokens at once, and on Hopper ``tl.dot`` issues wgmma. No dense weight is ever written.
+
+* **Split-K without a second launch.** Few output tiles (o, down, qkv) split the reduction over ``SPLITS`` programs
+  that store fp32 partials. The last of a tile's programs to finish (a per-tile semaphore, which it resets to zero)
+  sums them in split order and runs the epilogue: deterministic, no atomics on data, no memset, no host sync.
+* **The LoRA expand is the epilogue.** The finished shrink ``t = x Aᵀ`` ``[M, S·r]`` (one small launch per layer:
+  ``lora_kernels``' serial shrink, rounded to the activation dtype as the plain formulation does) is multiplied by
+  the tile's rows of ``B``, reading only the diagonal block of the packed sub-module (``S`` slots: q/k/v, gate/up)
+  that each output row belongs to, and added before the one rounding to the activation dtype.
+* **Exactness.** The dequantized weight is ``e2m1 · scale`` exactly (1 + 3 mantissa bits fit a 16-bit float); the
+  global scale multiplies the fp32 accumulator. So the GEMM is exact up to fp32 accumulation, a little closer to the
+  true product than the reference's ``round(e2m1 · scale / global)``.
+
+CUDA-graph capturable (fixed launch shapes per row count, state in per-layer buffers that end as they began), every
+constexpr a plain int or bool (vLLM's JIT hook JSON-serializes them), and :func:`nvfp4_lora_linear` is a
+``torch.library`` op with a fake implementation (vLLM torch.compiles the model). ``TRITON_INTERPRET=1`` runs the same
+kernel on CPU with a portable dequantization (no PTX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl_trl.nvfp4._launch import KernelLauncher
+from qerl_trl.nvfp4.triton_kernels import _code_value, _dequant_asm, _interpreting
+
+from .lora_kernels import lora_shrink
+
+__all__ = ["MAX_ROWS", "DecodeConfig", "decode_config", "nvfp4_lora_linear", "nvfp4_lora_linear_reference",
+           "decode_workspace"]
+
+#: Rows (tokens) the kernel takes; more rows are a prefill, which the caller sends elsewhere.
+MAX_ROWS = 256
+_ASM_BF16 = tl.constexpr(_dequant_asm(True, words=1))
+_ASM_F16 = tl.constexpr(_dequant_asm(False, words=1))
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One launch shape: ``bn`` weight rows x ``bt`` tokens per program, ``bk`` inputs per step, ``splits`` of K."""
+
+    bn: int
+    bk: int
+    bt: int
+    splits: int
+    warps: int
+    stages: int
+
+
+@triton.jit
+def _dequant_tile(q, sc, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr):
+    """Packed words ``q`` [BN, BK/8] (int32, 8 codes each) and their scale bytes ``sc`` (E4M3, one per word) ->
+    ``e2m1 · scale · 2^E`` [BN, BK] in the MMA dtype, exactly (``E``: -7 bf16, -14 fp16, 0 fp32; MODE 0/1/2).
+
+    MODE 0/1: the PTX recipe with the scale in the ``fma`` (two columns per instruction); 2: the portable fp32 path of
+    the interpreter."""
+    bits = ((sc & 0x7F).to(tl.int16) << 7) | ((sc & 0x80).to(tl.int16) << 8)
+    sf = bits.to(tl.float16, bitcast=True).to(tl.float32)  # scale * 2^-8, exact (E4M3 subnormals too)
+    if MODE == 0:
+        o = tl.inline_asm_elementwise(_ASM_BF16, "=h," * 8 + "r,h", [q, (sf * 2.0**127).to(tl.bfloat16)],
+                                      dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        c0, c1, c2, c3, c4, c5, c6, c7 = o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]
+    elif MODE == 1:
+        o = tl.inline_asm_elementwise(_ASM_F16, "=h," * 8 + "r,h", [q, (sf * 256.0).to(tl.float16)],
+                                      dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        c0, c1, c2, c3, c4, c5, c6, c7 = o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]
+    else:
+        s = sf * 256.0
+        c0, c1 = _code_value(q, 0) * s, _code_value(q, 4) * s
+        c2, c3 = _code_value(q, 8) * s, _code_value(q, 12) * s
+        c4, c5 = _code_value(q, 16) * s, _code_value(q, 20) * s
+        c6, c7 = _code_value(q, 24) * s, _code_value(q, 28) * s
+    # column 8w + j of the tile is c_j of word w (same register-only joins as triton_kernels._dequant_rows)
+    return tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7))),
+                      (BN, BK))
+
+
+@triton.jit
+def _decode_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, t_ptr, b_ptr, bounds_ptr, sem_ptr, p_ptr, y_ptr,
+                        M, N, K, stride_xm, stride_ym, stride_bn, R, steps_per_split, SPLITS,
+                        BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SPLIT_K: tl.constexpr,
+                        MODE: tl.constexpr, EVEN_K: tl.constexpr, HAS_LORA: tl.constexpr, S: tl.constexpr,
+                        RANK: tl.constexpr, RP: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """One (weight-row tile, K split, token block) of ``yᵀ = Ŵ xᵀ (+ B tᵀ)``; see the module docstring."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    W: tl.constexpr = BK // 8
+    rn = pid_n * BN + tl.arange(0, BN)
+    rt = pid_t * BT + tl.arange(0, BT)
+    nmask = rn < N
+    tmask = rt < M
+    step0 = pid_k * steps_per_split
+    n_steps = tl.minimum(tl.cdiv(K, BK) - step0, steps_per_split)
+    wd = tl.arange(0, W)
+    kk = tl.arange(0, BK)
+    q_ptrs = wq_ptr + rn[:, None] * (K // 8) + step0 * W + wd[None, :]
+    s_ptrs = ws_ptr + rn[:, None] * (K // 16) + step0 * (BK // 16) + (wd // 2)[None, :]
+    x_ptrs = x_ptr + rt[:, None] * stride_xm + step0 * BK + kk[None, :]
+    acc = tl.zeros((BN, BT), dtype=tl.float32)
+    for i in range(n_steps):
+        if EVEN_K:
+            q = tl.load(q_ptrs, mask=nmask[:, None], other=0)
+            sc = tl.load(s_ptrs, mask=nmask[:, None], other=0)
+            xv = tl.load(x_ptrs, mask=tmask[:, None], other=0.0)
+        else:
+            k0 = (step0 + i) * BK
+            q = tl.load(q_ptrs, mask=nmask[:, None] & ((k0 // 8 + wd) < K // 8)[None, :], other=0)
+            sc = tl.load(s_ptrs, mask=nmask[:, None] & ((k0 // 8 + wd) < K // 8)[None, :], other=0)
+            xv = tl.load(x_ptrs, mask=tmask[:, None] & ((k0 + kk) < K)[None, :], other=0.0)
+        w = _dequant_tile(q, sc, BN, BK, MODE)
+        if UPCAST:  # the interpreter's 16-bit tl.dot is wrong (Triton 3.6-3.9): fp32 there
+            acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(xv), acc)
+        q_ptrs += W
+        s_ptrs += BK // 16
+        x_ptrs += BK
+    # the accumulator holds sum(e2m1 * scale * x) * 2^E: undo 2^E and divide by the global scale
+    if MODE == 0:
+        acc = acc * (128.0 / tl.load(gs_ptr))
+    elif MODE == 1:
+        acc = acc * (16384.0 / tl.load(gs_ptr))
+    else:
+        acc = acc / tl.load(gs_ptr)
+    omask = nmask[:, None] & tmask[None, :]
+    if SPLIT_K:
+        # store this split's partial [SPLITS, M, N]; the last program of the tile sums them in split order
+        tl.store(p_ptr + (pid_k * M + rt[None, :]) * N + rn[:, None], acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        sem = sem_ptr + pid_t * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(sem, 1, sem="acq_rel")
+        if done == SPLITS - 1:
+            acc = tl.zeros((BN, BT), dtype=tl.float32)
+            for s in range(SPLITS):
+                acc += tl.load(p_ptr + (s * M + rt[None, :]) * N + rn[:, None], mask=omask, other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(sem, 0)
+            _epilogue(acc, t_ptr, b_ptr, bounds_ptr, y_ptr, rn, rt, M, omask, pid_n, stride_ym, stride_bn, R, BN,
+                      HAS_LORA, S, RANK, RP, UPCAST)
+    else:
+        _epilogue(acc, t_ptr, b_ptr, bounds_ptr, y_ptr, rn, rt, M, omask, pid_n, stride_ym, stride_bn, R, BN,
+                  HAS_LORA, S, RANK, RP, UPCAST)
+
+
+@triton.jit
+def _epilogue(acc, t_ptr, b_ptr, bounds_ptr, y_ptr, rn, rt, M, omask, pid_n, stride_ym, stride_bn, R,
+              BN: tl.constexpr, HAS_LORA: tl.constexpr, S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr,
+              UPCAST: tl.constexpr):  # fmt: skip
+    """``y = acc (+ B_j t_jᵀ on the rows of each slot j)``, rounded once to ``y``'s dtype and stored transposed."""
+    if HAS_LORA:
+        rj = tl.arange(0, RP)
+        n_lo = pid_n * BN
+        for j in tl.static_range(S):
+            lo = tl.load(bounds_ptr + j)
+            hi = tl.load(bounds_ptr + j + 1)
+            if (lo < n_lo + BN) & (hi > n_lo):
+                in_slot = (rn >= lo) & (rn < hi)
+                b = tl.load(b_ptr + rn[:, None] * stride_bn + j * RANK + rj[None, :],
+                            mask=in_slot[:, None] & (rj < RANK)[None, :], other=0.0)  # [BN, RP]
+                t = tl.load(t_ptr + rt[None, :] * R + j * RANK + rj[:, None],
+                            mask=(rt < M)[None, :] & (rj < RANK)[:, None], other=0.0)  # [RP, BT]
+                if UPCAST:
+                    acc += tl.dot(b.to(tl.float32), t.to(tl.float32), input_precision="ieee")
+                else:
+                    acc = tl.dot(b, t, acc)
+    if UPCAST and y_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even by hand: the interpreter truncates
+        bits = acc.to(tl.int32, bitcast=True)
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rt[None, :] * stride_ym + rn[:, None], out, mask=omask)
+
+
+_gemm_launch = KernelLauncher(_decode_gemm_kernel)
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any fixed figure (an H100's)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+#: Programs per SM the K split aims for at decode sizes (weight-read bound: bytes in flight per SM)
+WAVES = 4
+
+
+def decode_config(m: int, n: int, k: int, device: torch.device, bn: int = 64, bk: int = 256, waves: int = WAVES,
+                  warps: int = 4, stages: int = 3) -> DecodeConfig:
+    """The launch shape for ``m`` tokens through an ``[n, k]`` weight: ``bn`` weight rows x all the tokens (a
+    power of two from 16) per program; split K until about ``waves`` programs per SM run, at least 4 steps each."""
+    bt = min(MAX_ROWS, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bt)
+    steps = triton.cdiv(k, bk)
+    splits = max(1, min(steps // 4, triton.cdiv(waves * _sm_count(device), tiles)))
+    per = triton.cdiv(steps, splits)
+    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages)
+
+
+def decode_workspace(n: int, device: torch.device | str | None = None, bn_min: int = 16) -> torch.Tensor:
+    """Zeroed int32 semaphores for one layer of ``n`` output rows: one per weight-row tile (at the smallest tile,
+    ``bn_min`` rows) and token block (up to 16 blocks: 4096 rows of 256), left at zero by every launch."""
+    return torch.zeros(triton.cdiv(n, bn_min) * 16, dtype=torch.int32, device=device)
+
+
+def nvfp4_lora_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                                a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain formulation, for tests: dequantize (fp32), two more GEMMs for the LoRA, the shrink rounded to the
+    activation dtype."""
+    from qerl_trl.nvfp4.format import dequantize
+
+    w = dequantize(packed, scale.view(torch.float8_e4m3fn), global_scale, torch.float32)
+    y = x.float() @ w.t()
+    if a is not None:
+        y = y + (x @ a.t()).float() @ b.float().t()
+    return y.to(x.dtype)
+
+
+def _launch(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+            a: torch.Tensor | None, b: torch.Tensor | None, bounds: torch.Tensor | None, rank: int,
+            sems: torch.Tensor, cfg: DecodeConfig | None = None) -> torch.Tensor:
+    m, k = x2.shape
+    n = packed.shape[0]
+    cfg = cfg or decode_config(m, n, k, x2.device)
+    if k % 16 or cfg.bk % 16 or cfg.bn % 16 or cfg.bt < 16:
+        raise ValueError(f"NVFP4 decode GEMM: in_features {k} and the config {cfg} need multiples of 16")
+    interp = _interpreting()
+    mode = 2 if interp else (0 if x2.dtype == torch.bfloat16 else 1)
+    has_lora = a is not None
+    if has_lora:
+        t = lora_shrink(x2, a, bounds[a.shape[0] // rank + 1:])  # the layer's bounds buffer carries its semaphores
+        r_total, slots = a.shape[0], a.shape[0] // rank
+        rp = max(16, triton.next_power_of_2(rank))
+        b_stride = b.stride(0)
+    else:
+        t = b = bounds = x2  # unread
+        r_total, slots, rp, b_stride = 0, 1, 16, 0
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    steps = triton.cdiv(k, cfg.bk)
+    per = triton.cdiv(steps, cfg.splits)
+    splits = triton.cdiv(steps, per)
+    tiles, t_blocks = triton.cdiv(n, cfg.bn), triton.cdiv(m, cfg.bt)
+    if splits > 1 and sems.numel() < tiles * t_blocks:
+        raise ValueError(f"NVFP4 decode GEMM: {tiles * t_blocks} semaphores needed, the workspace has {sems.numel()}")
+    p = torch.empty((splits, m, n), device=x2.device, dtype=torch.float32) if splits > 1 else y
+    even = k % cfg.bk == 0
+    key = (mode, cfg.bn, cfg.bk, cfg.bt, splits > 1, even, has_lora, slots, rank, rp, interp, cfg.warps, cfg.stages)
+    _gemm_launch(
+        (tiles, splits, t_blocks),
+        (x2, packed.view(torch.int32), scale.view(torch.uint8), global_scale, t, b, bounds, sems, p, y, m, n, k,
+         x2.stride(0), y.stride(0), b_stride, r_total, per, splits),
+        key,
+        dict(BN=cfg.bn, BK=cfg.bk, BT=cfg.bt, SPLIT_K=splits > 1, MODE=mode, EVEN_K=even, HAS_LORA=has_lora, S=slots,
+             RANK=rank, RP=rp, UPCAST=interp),
+        dict(num_warps=cfg.warps, num_stages=cfg.stages))
+    return y
+
+
+@torch.library.custom_op("qerl_trl::nvfp4_lora_linear", mutates_args=())
+def nvfp4_lora_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                      a: torch.Tensor | None, b: torch.Tensor | None, bounds: torch.Tensor | None, rank: int,
+                      sems: torch.Tensor) -> torch.Tensor:
+    """``x · dequant(W)ᵀ (+ (x Aᵀ) Bᵀ)`` for up to :data:`MAX_ROWS` tokens of an NVFP4A16 layer (a new tensor).
+
+    ``packed`` uint8 ``[N, K/2]``, ``scale`` E4M3 (or its bytes) ``[N, K/16]``, ``global_scale`` fp32 ``[1]``
+    (compressed-tensors' ``weight_packed`` / ``weight_scale`` / ``weight_global_scale``). LoRA (or ``None``):
+    ``a`` ``[S·rank, K]``, ``b`` ``[N, S·rank]`` with the scaling folded in (only its diagonal blocks are read),
+    ``bounds`` from :func:`~qerl_trl.vllm_plugin.lora_kernels.lora_slot_bounds`. ``sems``:
+    :func:`decode_workspace` of this layer."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if not 0 < x2.shape[0] <= MAX_ROWS:
+        raise ValueError(f"nvfp4_lora_linear takes 1 to {MAX_ROWS} rows, got {x2.shape[0]}")
+    if packed.shape[1] * 2 != k or packed.dtype != torch.uint8:
+        raise ValueError(f"nvfp4_lora_linear: weight_packed {tuple(packed.shape)} {packed.dtype} does not match "
+                         f"{k} input columns (uint8 [out, in/2] expected)")
+    if a is not None and (b is None or bounds is None or a.stride(-1) != 1 or b.stride(-1) != 1):
+        raise ValueError("nvfp4_lora_linear: a LoRA needs row-major A and B and the layer's slot bounds")
+    y = _launch(x2, packed, scale, global_scale, a, b, bounds, rank, sems)
+    return y.view(*x.shape[:-1], packed.shape[0])
+
+
+@nvfp4_lora_linear.register_fake
+def _(x, packed, scale, global_scale, a, b, bounds, rank, sems):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
