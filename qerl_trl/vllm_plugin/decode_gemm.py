@@ -56,6 +56,7 @@ class DecodeConfig:
     splits: int
     warps: int
     stages: int
+    prefetch: bool = True
 
 
 @triton.jit
@@ -87,11 +88,28 @@ def _dequant_tile(q, sc, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr)
 
 
 @triton.jit
+def _step_loads(q_ptrs, s_ptrs, x_ptrs, i, step0, K, nmask, tmask, wd, kk, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """Step ``i`` of a program's K range: packed words [BN, BK/8], their scale bytes, the activations [BT, BK]. The
+    pointers are step 0's; ``EVEN_K`` tiles need only the row masks, so the loads vectorize."""
+    if EVEN_K:
+        q = tl.load(q_ptrs + i * (BK // 8), mask=nmask[:, None], other=0)
+        sc = tl.load(s_ptrs + i * (BK // 16), mask=nmask[:, None], other=0)
+        xv = tl.load(x_ptrs + i * BK, mask=tmask[:, None], other=0.0)
+    else:
+        k0 = (step0 + i) * BK
+        kmask = ((k0 // 8 + wd) < K // 8)[None, :]
+        q = tl.load(q_ptrs + i * (BK // 8), mask=nmask[:, None] & kmask, other=0)
+        sc = tl.load(s_ptrs + i * (BK // 16), mask=nmask[:, None] & kmask, other=0)
+        xv = tl.load(x_ptrs + i * BK, mask=tmask[:, None] & ((k0 + kk) < K)[None, :], other=0.0)
+    return q, sc, xv
+
+
+@triton.jit
 def _decode_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, t_ptr, b_ptr, bounds_ptr, sem_ptr, p_ptr, y_ptr,
                         M, N, K, stride_xm, stride_ym, stride_bn, R, steps_per_split, SPLITS,
                         BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SPLIT_K: tl.constexpr,
                         MODE: tl.constexpr, EVEN_K: tl.constexpr, HAS_LORA: tl.constexpr, S: tl.constexpr,
-                        RANK: tl.constexpr, RP: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                        RANK: tl.constexpr, RP: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
     """One (weight-row tile, K split, token block) of ``yᵀ = Ŵ xᵀ (+ B tᵀ)``; see the module docstring."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -109,24 +127,20 @@ def _decode_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, t_ptr, b_ptr, bounds_ptr,
     s_ptrs = ws_ptr + rn[:, None] * (K // 16) + step0 * (BK // 16) + (wd // 2)[None, :]
     x_ptrs = x_ptr + rt[:, None] * stride_xm + step0 * BK + kk[None, :]
     acc = tl.zeros((BN, BT), dtype=tl.float32)
+    if PREFETCH:  # the next step's loads are in flight while this step dequantizes and multiplies
+        q1, sc1, xv1 = _step_loads(q_ptrs, s_ptrs, x_ptrs, 0, step0, K, nmask, tmask, wd, kk, BK, EVEN_K)
     for i in range(n_steps):
-        if EVEN_K:
-            q = tl.load(q_ptrs, mask=nmask[:, None], other=0)
-            sc = tl.load(s_ptrs, mask=nmask[:, None], other=0)
-            xv = tl.load(x_ptrs, mask=tmask[:, None], other=0.0)
+        if PREFETCH:  # past the last step the last step loads again (L1/L2 hits, no extra mask)
+            q, sc, xv = q1, sc1, xv1
+            q1, sc1, xv1 = _step_loads(q_ptrs, s_ptrs, x_ptrs, tl.minimum(i + 1, n_steps - 1), step0, K, nmask,
+                                       tmask, wd, kk, BK, EVEN_K)  # fmt: skip
         else:
-            k0 = (step0 + i) * BK
-            q = tl.load(q_ptrs, mask=nmask[:, None] & ((k0 // 8 + wd) < K // 8)[None, :], other=0)
-            sc = tl.load(s_ptrs, mask=nmask[:, None] & ((k0 // 8 + wd) < K // 8)[None, :], other=0)
-            xv = tl.load(x_ptrs, mask=tmask[:, None] & ((k0 + kk) < K)[None, :], other=0.0)
+            q, sc, xv = _step_loads(q_ptrs, s_ptrs, x_ptrs, i, step0, K, nmask, tmask, wd, kk, BK, EVEN_K)
         w = _dequant_tile(q, sc, BN, BK, MODE)
         if UPCAST:  # the interpreter's 16-bit tl.dot is wrong (Triton 3.6-3.9): fp32 there
             acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(xv), acc)
-        q_ptrs += W
-        s_ptrs += BK // 16
-        x_ptrs += BK
     # the accumulator holds sum(e2m1 * scale * x) * 2^E: undo 2^E and divide by the global scale
     if MODE == 0:
         acc = acc * (128.0 / tl.load(gs_ptr))
@@ -201,15 +215,15 @@ WAVES = 4
 
 
 def decode_config(m: int, n: int, k: int, device: torch.device, bn: int = 64, bk: int = 256, waves: int = WAVES,
-                  warps: int = 4, stages: int = 3) -> DecodeConfig:
+                  warps: int = 4, stages: int = 1, prefetch: int = 1, bt_max: int = MAX_ROWS) -> DecodeConfig:
     """The launch shape for ``m`` tokens through an ``[n, k]`` weight: ``bn`` weight rows x all the tokens (a
     power of two from 16) per program; split K until about ``waves`` programs per SM run, at least 4 steps each."""
-    bt = min(MAX_ROWS, max(16, triton.next_power_of_2(m)))
+    bt = min(bt_max, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bt)
     steps = triton.cdiv(k, bk)
     splits = max(1, min(steps // 4, triton.cdiv(waves * _sm_count(device), tiles)))
     per = triton.cdiv(steps, splits)
-    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages)
+    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages, bool(prefetch))
 
 
 def decode_workspace(n: int, device: torch.device | str | None = None, bn_min: int = 16) -> torch.Tensor:
@@ -259,14 +273,15 @@ def _launch(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
         raise ValueError(f"NVFP4 decode GEMM: {tiles * t_blocks} semaphores needed, the workspace has {sems.numel()}")
     p = torch.empty((splits, m, n), device=x2.device, dtype=torch.float32) if splits > 1 else y
     even = k % cfg.bk == 0
-    key = (mode, cfg.bn, cfg.bk, cfg.bt, splits > 1, even, has_lora, slots, rank, rp, interp, cfg.warps, cfg.stages)
+    key = (mode, cfg.bn, cfg.bk, cfg.bt, splits > 1, even, has_lora, slots, rank, rp, interp, cfg.warps, cfg.stages,
+           cfg.prefetch)
     _gemm_launch(
         (tiles, splits, t_blocks),
         (x2, packed.view(torch.int32), scale.view(torch.uint8), global_scale, t, b, bounds, sems, p, y, m, n, k,
          x2.stride(0), y.stride(0), b_stride, r_total, per, splits),
         key,
         dict(BN=cfg.bn, BK=cfg.bk, BT=cfg.bt, SPLIT_K=splits > 1, MODE=mode, EVEN_K=even, HAS_LORA=has_lora, S=slots,
-             RANK=rank, RP=rp, UPCAST=interp),
+             RANK=rank, RP=rp, UPCAST=interp, PREFETCH=cfg.prefetch),
         dict(num_warps=cfg.warps, num_stages=cfg.stages))
     return y
 
