@@ -89,7 +89,9 @@ def run(m, slot_rows, k, rank, dtype, cfg=None, sems=None, q=None):
         (17, [48, 80], 384, dg.DecodeConfig(32, 128, 32, 2, 4, 1)),  # a slot boundary inside a tile, two token rows
         (5, [40], 320, dg.DecodeConfig(32, 256, 16, 2, 4, 1)),  # K not a multiple of the K step, ragged N
         (20, [64, 64], 256, dg.DecodeConfig(64, 128, 16, 2, 4, 1)),  # two token blocks, split K
-        (2, [64], 512, dg.DecodeConfig(64, 128, 16, 2, 4, 1, False)),  # no register prefetch
+        (2, [64], 512, dg.DecodeConfig(64, 128, 16, 2, 4, 1, True)),  # register prefetch of the next step
+        (3, [96, 32, 32], 1024, dg.DecodeConfig(64, 256, 16, 2, 4, 2, tma=True)),  # the copy engine's loads
+        (33, [80, 48], 512, dg.DecodeConfig(64, 256, 32, 1, 4, 3, tma=True)),  # TMA: ragged tiles, zero-filled
     ],
 )
 def test_matches_the_dequantized_reference(m, slot_rows, k, cfg, rank, dtype):

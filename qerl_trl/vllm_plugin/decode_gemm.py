@@ -56,7 +56,8 @@ class DecodeConfig:
     splits: int
     warps: int
     stages: int
-    prefetch: bool = True
+    prefetch: bool = False
+    tma: bool = False
 
 
 @triton.jit
@@ -141,6 +142,49 @@ def _decode_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, t_ptr, b_ptr, bounds_ptr,
             acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(xv), acc)
+    _finish(acc, gs_ptr, t_ptr, b_ptr, bounds_ptr, sem_ptr, p_ptr, y_ptr, M, N, stride_ym, stride_bn, R, SPLITS,
+            BN, BT, SPLIT_K, MODE, HAS_LORA, S, RANK, RP, UPCAST)
+
+
+@triton.jit
+def _decode_gemm_tma_kernel(x_desc, q_desc, s_desc, gs_ptr, t_ptr, b_ptr, bounds_ptr, sem_ptr, p_ptr, y_ptr,
+                            M, N, K, stride_ym, stride_bn, R, steps_per_split, SPLITS,
+                            BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SPLIT_K: tl.constexpr,
+                            MODE: tl.constexpr, HAS_LORA: tl.constexpr, S: tl.constexpr, RANK: tl.constexpr,
+                            RP: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """:func:`_decode_gemm_kernel` with the weight words, scale bytes and activations brought in by the copy engine
+    (TMA: host tensor descriptors), ``STAGES`` steps in flight per program without registers; the descriptors
+    zero-fill past the tensors' ends, so no masks."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    step0 = pid_k * steps_per_split
+    n_steps = tl.minimum(tl.cdiv(K, BK) - step0, steps_per_split)
+    acc = tl.zeros((BN, BT), dtype=tl.float32)
+    for i in tl.range(0, n_steps, num_stages=STAGES):
+        step = step0 + i
+        q = q_desc.load([pid_n * BN, step * (BK // 8)])
+        sg = s_desc.load([pid_n * BN, step * (BK // 16)])
+        xv = x_desc.load([pid_t * BT, step * BK])
+        w = _dequant_tile(q, tl.reshape(tl.join(sg, sg), (BN, BK // 8)), BN, BK, MODE)  # word 2g+j: scale g
+        if UPCAST:
+            acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(xv), acc)
+    _finish(acc, gs_ptr, t_ptr, b_ptr, bounds_ptr, sem_ptr, p_ptr, y_ptr, M, N, stride_ym, stride_bn, R, SPLITS,
+            BN, BT, SPLIT_K, MODE, HAS_LORA, S, RANK, RP, UPCAST)
+
+
+@triton.jit
+def _finish(acc, gs_ptr, t_ptr, b_ptr, bounds_ptr, sem_ptr, p_ptr, y_ptr, M, N, stride_ym, stride_bn, R, SPLITS,
+            BN: tl.constexpr, BT: tl.constexpr, SPLIT_K: tl.constexpr, MODE: tl.constexpr, HAS_LORA: tl.constexpr,
+            S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """After the K loop: the global scale, split-K's reduction by the tile's last program, the epilogue."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rt = pid_t * BT + tl.arange(0, BT)
     # the accumulator holds sum(e2m1 * scale * x) * 2^E: undo 2^E and divide by the global scale
     if MODE == 0:
         acc = acc * (128.0 / tl.load(gs_ptr))
@@ -148,7 +192,7 @@ def _decode_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, t_ptr, b_ptr, bounds_ptr,
         acc = acc * (16384.0 / tl.load(gs_ptr))
     else:
         acc = acc / tl.load(gs_ptr)
-    omask = nmask[:, None] & tmask[None, :]
+    omask = (rn < N)[:, None] & (rt < M)[None, :]
     if SPLIT_K:
         # store this split's partial [SPLITS, M, N]; the last program of the tile sums them in split order
         tl.store(p_ptr + (pid_k * M + rt[None, :]) * N + rn[:, None], acc, mask=omask)
@@ -198,6 +242,15 @@ def _epilogue(acc, t_ptr, b_ptr, bounds_ptr, y_ptr, rn, rt, M, omask, pid_n, str
 
 
 _gemm_launch = KernelLauncher(_decode_gemm_kernel)
+_gemm_tma_launch = KernelLauncher(_decode_gemm_tma_kernel)
+
+
+def tma_ok(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, cfg: DecodeConfig) -> bool:
+    """Whether the copy engine can bring in these tiles: 16-byte aligned bases and row strides (``k`` a multiple of
+    256 for the scale bytes' rows) and boxes of at least 16 bytes and at most 256 elements a side."""
+    k = x2.shape[1]
+    aligned = all(t.data_ptr() % 16 == 0 for t in (x2, packed, scale)) and (x2.stride(0) * x2.element_size()) % 16 == 0
+    return aligned and k % 256 == 0 and cfg.bk == 256 and cfg.bt <= 256 and cfg.bn <= 256
 _SMS: dict[int, int] = {}
 
 
@@ -215,7 +268,8 @@ WAVES = 4
 
 
 def decode_config(m: int, n: int, k: int, device: torch.device, bn: int = 64, bk: int = 256, waves: int = WAVES,
-                  warps: int = 4, stages: int = 1, prefetch: int = 1, bt_max: int = MAX_ROWS) -> DecodeConfig:
+                  warps: int = 4, stages: int = 1, prefetch: int = 0, bt_max: int = MAX_ROWS, tma: int = 0
+                  ) -> DecodeConfig:
     """The launch shape for ``m`` tokens through an ``[n, k]`` weight: ``bn`` weight rows x all the tokens (a
     power of two from 16) per program; split K until about ``waves`` programs per SM run, at least 4 steps each."""
     bt = min(bt_max, max(16, triton.next_power_of_2(m)))
@@ -223,7 +277,7 @@ def decode_config(m: int, n: int, k: int, device: torch.device, bn: int = 64, bk
     steps = triton.cdiv(k, bk)
     splits = max(1, min(steps // 4, triton.cdiv(waves * _sm_count(device), tiles)))
     per = triton.cdiv(steps, splits)
-    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages, bool(prefetch))
+    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages, bool(prefetch), bool(tma))
 
 
 def decode_workspace(n: int, device: torch.device | str | None = None, bn_min: int = 16) -> torch.Tensor:
@@ -272,6 +326,21 @@ def _launch(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
     if splits > 1 and sems.numel() < tiles * t_blocks:
         raise ValueError(f"NVFP4 decode GEMM: {tiles * t_blocks} semaphores needed, the workspace has {sems.numel()}")
     p = torch.empty((splits, m, n), device=x2.device, dtype=torch.float32) if splits > 1 else y
+    if cfg.tma and tma_ok(x2, packed, scale, cfg):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        key = (mode, cfg.bn, cfg.bk, cfg.bt, splits > 1, has_lora, slots, rank, rp, cfg.warps, cfg.stages)
+        _gemm_tma_launch(
+            (tiles, splits, t_blocks),
+            (TensorDescriptor.from_tensor(x2, [cfg.bt, cfg.bk]),
+             TensorDescriptor.from_tensor(packed.view(torch.int32), [cfg.bn, cfg.bk // 8]),
+             TensorDescriptor.from_tensor(scale.view(torch.uint8), [cfg.bn, cfg.bk // 16]), global_scale, t, b,
+             bounds, sems, p, y, m, n, k, y.stride(0), b_stride, r_total, per, splits),
+            key,
+            dict(BN=cfg.bn, BK=cfg.bk, BT=cfg.bt, SPLIT_K=splits > 1, MODE=mode, HAS_LORA=has_lora, S=slots,
+                 RANK=rank, RP=rp, UPCAST=interp, STAGES=cfg.stages),
+            dict(num_warps=cfg.warps))
+        return y
     even = k % cfg.bk == 0
     key = (mode, cfg.bn, cfg.bk, cfg.bt, splits > 1, even, has_lora, slots, rank, rp, interp, cfg.warps, cfg.stages,
            cfg.prefetch)
