@@ -85,13 +85,15 @@ def run(m, slot_rows, k, rank, dtype, cfg=None, sems=None, q=None):
     "m,slot_rows,k,cfg",
     [
         (1, [64], 256, None),
-        (3, [96, 32, 32], 512, dg.DecodeConfig(64, 128, 16, 3, 4, 1)),  # split K, q/k/v slots
-        (17, [48, 80], 384, dg.DecodeConfig(32, 128, 32, 2, 4, 1)),  # a slot boundary inside a tile, two token rows
-        (5, [40], 320, dg.DecodeConfig(32, 256, 16, 2, 4, 1)),  # K not a multiple of the K step, ragged N
-        (20, [64, 64], 256, dg.DecodeConfig(64, 128, 16, 2, 4, 1)),  # two token blocks, split K
-        (2, [64], 512, dg.DecodeConfig(64, 128, 16, 2, 4, 1, True)),  # register prefetch of the next step
-        (3, [96, 32, 32], 1024, dg.DecodeConfig(64, 256, 16, 2, 4, 2, tma=True)),  # the copy engine's loads
-        (33, [80, 48], 512, dg.DecodeConfig(64, 256, 32, 1, 4, 3, tma=True)),  # TMA: ragged tiles, zero-filled
+        # the pointer kernel (layers whose rows the copy engine cannot address)
+        (3, [96, 32, 32], 512, dg.DecodeConfig(64, 128, 16, 3, 4, 1, tma=False)),  # split K, q/k/v slots
+        (17, [48, 80], 384, dg.DecodeConfig(32, 128, 32, 2, 4, 1, tma=False)),  # a slot boundary inside a tile
+        (5, [40], 320, dg.DecodeConfig(32, 256, 16, 2, 4, 1, tma=False)),  # K not a multiple of the K step
+        (20, [64, 64], 256, dg.DecodeConfig(64, 128, 16, 2, 4, 1, tma=False)),  # two token blocks, split K
+        # the TMA kernel
+        (3, [96, 32, 32], 1024, dg.DecodeConfig(64, 256, 16, 2, 4, 2)),  # split K, q/k/v slots
+        (33, [80, 48], 512, dg.DecodeConfig(64, 256, 32, 1, 4, 3)),  # ragged tiles, zero-filled; a slot boundary
+        (70, [64], 768, dg.DecodeConfig(32, 256, 64, 3, 4, 2)),  # two token blocks
     ],
 )
 def test_matches_the_dequantized_reference(m, slot_rows, k, cfg, rank, dtype):
@@ -103,7 +105,7 @@ def test_the_config_splits_k_for_few_tiles_and_not_for_many():
     few = dg.decode_config(1, 3584, 18944, dev)  # down: 56 tiles of 64 rows
     many = dg.decode_config(1, 37888, 3584, dev)  # gate/up: 592 tiles
     assert few.splits > 1 and many.splits == 1
-    assert dg.decode_config(256, 37888, 3584, dev).bt == 256 and dg.decode_config(3, 512, 512, dev).bt == 16
+    assert dg.decode_config(256, 37888, 3584, dev).bt == dg.BT_MAX and dg.decode_config(3, 512, 512, dev).bt == 16
     steps = -(-18944 // few.bk)
     assert -(-steps // few.splits) * (few.splits - 1) < steps  # no split is empty
 
@@ -121,7 +123,7 @@ def test_errors_name_what_is_wrong():
     x = torch.randn(3, 256, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="semaphores needed"):
         dg._launch(x, q.weight_packed, q.weight_scale.view(torch.uint8), q.weight_global_scale, None, None, None, 0,
-                   torch.zeros(1, dtype=torch.int32, device=DEVICE), dg.DecodeConfig(16, 64, 16, 2, 4, 1))  # fmt: skip
+                   torch.zeros(1, dtype=torch.int32, device=DEVICE), dg.DecodeConfig(16, 64, 16, 2, 4, 1, False))  # fmt: skip
 
 
 def test_the_op_keeps_leading_dims_and_traces_under_torch_compile():
@@ -271,7 +273,9 @@ def test_the_kernel_compiles_under_a_serializing_jit_hook(monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", before)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", after)
-    dg._decode_gemm_kernel.device_caches.clear()
-    dg._gemm_launch.clear()
-    run(3, [96, 32, 32], 512, 32, torch.bfloat16, dg.DecodeConfig(64, 128, 16, 2, 4, 1))
-    assert compiled.count("_decode_gemm_kernel") == 1
+    for kernel, launch in ((dg._decode_gemm_kernel, dg._gemm_launch), (dg._decode_gemm_tma_kernel, dg._gemm_tma_launch)):
+        kernel.device_caches.clear()
+        launch.clear()
+    run(3, [96, 32, 32], 512, 32, torch.bfloat16, dg.DecodeConfig(64, 128, 16, 2, 4, 1, tma=False))
+    run(3, [96, 32, 32], 512, 32, torch.bfloat16, dg.DecodeConfig(64, 256, 16, 2, 4, 2))
+    assert compiled.count("_decode_gemm_kernel") == 1 and compiled.count("_decode_gemm_tma_kernel") == 1

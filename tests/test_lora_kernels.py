@@ -146,13 +146,17 @@ def test_the_kernels_compile_under_a_serializing_jit_hook(monkeypatch):
 
     seen: list[str] = []
 
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+    def before(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        json.loads(compile["specialization_data"])
+        return False
+
+    def after(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # once per compile
         json.loads(compile["specialization_data"])
         seen.append(fn.name)
         return False
 
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", hook)
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", before)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", after)
     names = ("_lora_shrink_kernel", "_lora_expand_kernel")
     for name in names:
         getattr(lora_kernels, name).device_caches.clear()

@@ -56,8 +56,7 @@ class DecodeConfig:
     splits: int
     warps: int
     stages: int
-    prefetch: bool = False
-    tma: bool = False
+    tma: bool = True
 
 
 @triton.jit
@@ -110,7 +109,7 @@ def _decode_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, t_ptr, b_ptr, bounds_ptr,
                         M, N, K, stride_xm, stride_ym, stride_bn, R, steps_per_split, SPLITS,
                         BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SPLIT_K: tl.constexpr,
                         MODE: tl.constexpr, EVEN_K: tl.constexpr, HAS_LORA: tl.constexpr, S: tl.constexpr,
-                        RANK: tl.constexpr, RP: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+                        RANK: tl.constexpr, RP: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """One (weight-row tile, K split, token block) of ``yᵀ = Ŵ xᵀ (+ B tᵀ)``; see the module docstring."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -128,15 +127,8 @@ def _decode_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, t_ptr, b_ptr, bounds_ptr,
     s_ptrs = ws_ptr + rn[:, None] * (K // 16) + step0 * (BK // 16) + (wd // 2)[None, :]
     x_ptrs = x_ptr + rt[:, None] * stride_xm + step0 * BK + kk[None, :]
     acc = tl.zeros((BN, BT), dtype=tl.float32)
-    if PREFETCH:  # the next step's loads are in flight while this step dequantizes and multiplies
-        q1, sc1, xv1 = _step_loads(q_ptrs, s_ptrs, x_ptrs, 0, step0, K, nmask, tmask, wd, kk, BK, EVEN_K)
     for i in range(n_steps):
-        if PREFETCH:  # past the last step the last step loads again (L1/L2 hits, no extra mask)
-            q, sc, xv = q1, sc1, xv1
-            q1, sc1, xv1 = _step_loads(q_ptrs, s_ptrs, x_ptrs, tl.minimum(i + 1, n_steps - 1), step0, K, nmask,
-                                       tmask, wd, kk, BK, EVEN_K)  # fmt: skip
-        else:
-            q, sc, xv = _step_loads(q_ptrs, s_ptrs, x_ptrs, i, step0, K, nmask, tmask, wd, kk, BK, EVEN_K)
+        q, sc, xv = _step_loads(q_ptrs, s_ptrs, x_ptrs, i, step0, K, nmask, tmask, wd, kk, BK, EVEN_K)
         w = _dequant_tile(q, sc, BN, BK, MODE)
         if UPCAST:  # the interpreter's 16-bit tl.dot is wrong (Triton 3.6-3.9): fp32 there
             acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
@@ -263,21 +255,26 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[idx]
 
 
-#: Programs per SM the K split aims for at decode sizes (weight-read bound: bytes in flight per SM)
+#: Programs per SM the K split aims for at decode sizes (weight-read bound: bytes in flight per SM), and the most
+#: tokens per program: from the H100 sweep at 1833cae+ (``decode_linear_sweep*``): 4 waves and 3 TMA stages were best
+#: or within 3% on every Qwen2.5-7B linear at 1-16 rows; 256 tokens per program spilled its accumulator (1.26 ms on
+#: gate/up against 0.42 ms as four blocks of 64)
 WAVES = 4
+BT_MAX = 64
 
 
 def decode_config(m: int, n: int, k: int, device: torch.device, bn: int = 64, bk: int = 256, waves: int = WAVES,
-                  warps: int = 4, stages: int = 1, prefetch: int = 0, bt_max: int = MAX_ROWS, tma: int = 0
-                  ) -> DecodeConfig:
-    """The launch shape for ``m`` tokens through an ``[n, k]`` weight: ``bn`` weight rows x all the tokens (a
-    power of two from 16) per program; split K until about ``waves`` programs per SM run, at least 4 steps each."""
+                  warps: int = 4, stages: int = 0, bt_max: int = BT_MAX, tma: int = 1) -> DecodeConfig:
+    """The launch shape for ``m`` tokens through an ``[n, k]`` weight: ``bn`` weight rows x up to ``bt_max`` tokens
+    (a power of two from 16) per program; split K until about ``waves`` programs per SM run, at least 4 steps each;
+    ``stages`` TMA steps in flight (0: 3 for up to 32 tokens, else 2, which the shared memory holds)."""
     bt = min(bt_max, max(16, triton.next_power_of_2(m)))
+    stages = stages or (3 if bt <= 32 else 2)
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bt)
     steps = triton.cdiv(k, bk)
     splits = max(1, min(steps // 4, triton.cdiv(waves * _sm_count(device), tiles)))
     per = triton.cdiv(steps, splits)
-    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages, bool(prefetch), bool(tma))
+    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages, bool(tma))
 
 
 def decode_workspace(n: int, device: torch.device | str | None = None, bn_min: int = 16) -> torch.Tensor:
@@ -342,16 +339,15 @@ def _launch(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
             dict(num_warps=cfg.warps))
         return y
     even = k % cfg.bk == 0
-    key = (mode, cfg.bn, cfg.bk, cfg.bt, splits > 1, even, has_lora, slots, rank, rp, interp, cfg.warps, cfg.stages,
-           cfg.prefetch)
+    key = (mode, cfg.bn, cfg.bk, cfg.bt, splits > 1, even, has_lora, slots, rank, rp, interp, cfg.warps, cfg.stages)
     _gemm_launch(
         (tiles, splits, t_blocks),
         (x2, packed.view(torch.int32), scale.view(torch.uint8), global_scale, t, b, bounds, sems, p, y, m, n, k,
          x2.stride(0), y.stride(0), b_stride, r_total, per, splits),
         key,
         dict(BN=cfg.bn, BK=cfg.bk, BT=cfg.bt, SPLIT_K=splits > 1, MODE=mode, EVEN_K=even, HAS_LORA=has_lora, S=slots,
-             RANK=rank, RP=rp, UPCAST=interp, PREFETCH=cfg.prefetch),
-        dict(num_warps=cfg.warps, num_stages=cfg.stages))
+             RANK=rank, RP=rp, UPCAST=interp),
+        dict(num_warps=cfg.warps, num_stages=1))  # deeper software pipelines ran out of shared memory on the H100
     return y
 
 
