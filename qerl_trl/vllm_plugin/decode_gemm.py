@@ -3,10 +3,14 @@
 Why: an RL rollout decodes a few to a few hundred sequences, so every linear sees 1-256 rows, and its time is the
 read of the FP4 weight. vLLM serves NVFP4A16 on Hopper with Marlin, an Ampere design, and our LoRA then took two more
 launches per linear (``lora_kernels``). Here the weight tile is the MMA's 64-row operand and the few tokens its narrow
-one ("swap A and B": ``yᵀ = Ŵ · xᵀ``): each program streams ``BN`` weight rows from global memory, dequantizes them in
-registers (``triton_kernels``' PTX recipe, the block scale folded into the pair ``fma``), multiplies them with all the
-tokens at once, and on Hopper ``tl.dot`` issues wgmma. No dense weight is ever written.
+one ("swap A and B": ``yᵀ = Ŵ · xᵀ``): each program streams ``BN`` weight rows, dequantizes them in registers
+(``triton_kernels``' PTX recipe, the block scale folded into the pair ``fma``), multiplies them with all its tokens
+at once (wgmma on Hopper: ``HGMMA`` in the SASS), and no dense weight is ever written.
 
+* **Loads.** The shipped kernel (:func:`_decode_gemm_tma_kernel`) has the copy engine bring in the weight words,
+  scale bytes and activations through host tensor descriptors, 3 steps deep (Triton's software pipeline): on the
+  H100 that halved the time of plain loads (:func:`_decode_gemm_kernel`, kept for layers whose rows the copy engine
+  cannot address, ``k % 256 != 0``).
 * **Split-K without a second launch.** Few output tiles (o, down, qkv) split the reduction over ``SPLITS`` programs
   that store fp32 partials. The last of a tile's programs to finish (a per-tile semaphore, which it resets to zero)
   sums them in split order and runs the epilogue: deterministic, no atomics on data, no memset, no host sync.
@@ -17,6 +21,14 @@ tokens at once, and on Hopper ``tl.dot`` issues wgmma. No dense weight is ever w
 * **Exactness.** The dequantized weight is ``e2m1 · scale`` exactly (1 + 3 mantissa bits fit a 16-bit float); the
   global scale multiplies the fp32 accumulator. So the GEMM is exact up to fp32 accumulation, a little closer to the
   true product than the reference's ``round(e2m1 · scale / global)``.
+
+**Status (measured, not yet on a product path).** On the H100 (``benchmarks/results/decode_linear-h100.json``, at
+ab98afc) a Qwen2.5 decoder layer's four linears take 0.71-0.84x Marlin's speed at 1-16 rows without a LoRA (7B:
+107 µs against 86 µs; 36-44% of HBM against Marlin's 44-59%), and 0.76-0.86x Marlin plus the two-launch LoRA pair
+with it; above 32 rows it falls further behind. Nsight Compute on the 7B gate/up at 16 rows: DRAM at 47% of peak,
+issue slots 62% busy, 5 programs (20 warps) per SM, limited by registers and shared memory: each step stores the
+dequantized tile to shared memory and loads it back in wgmma's operand layout, and converts the words' layout once
+more. The engine therefore keeps Marlin (``single_lora``); this kernel is the measured base for the next attempt.
 
 CUDA-graph capturable (fixed launch shapes per row count, state in per-layer buffers that end as they began), every
 constexpr a plain int or bool (vLLM's JIT hook JSON-serializes them), and :func:`nvfp4_lora_linear` is a
