@@ -195,11 +195,11 @@ def bench_layer(size: str, name: str, slot_rows: list[int], k: int, rows: list[i
             row = dict(size=size, layer=name, m=m, impl=impl, lora_r=lr, commit=commit)
             if cfg is not None:
                 row["config"] = dict(bn=cfg.bn, bk=cfg.bk, bt=cfg.bt, splits=cfg.splits, warps=cfg.warps,
-                                     stages=cfg.stages, tma=cfg.tma)
+                                     stages=cfg.stages, tma=cfg.tma, quad=cfg.quad)
             elif impl == "qerl":
                 c = dg.decode_config(m, n, k, x.device)
                 row["config"] = dict(bn=c.bn, bk=c.bk, bt=c.bt, splits=c.splits, warps=c.warps, stages=c.stages,
-                                     tma=c.tma, shipped=True)
+                                     tma=c.tma, quad=c.quad, shipped=True)
             try:
                 got = fns[0]().float()
                 err = ((got - want).abs().max() / want.abs().max()).item()
@@ -262,8 +262,8 @@ def summarize(rows: list, sizes: list[str], peak_tbps: float, commit: str) -> li
 
 
 def sweep_configs(names: list[str]) -> list[dict]:
-    """``bn:bk:warps:stages:waves[:bt_max[:tma]]`` strings -> ``decode_config`` keyword sets."""
-    keys = ("bn", "bk", "warps", "stages", "waves", "bt_max", "tma")
+    """``bn:bk:warps:stages:waves[:bt_max[:tma[:quad]]]`` strings -> ``decode_config`` keyword sets."""
+    keys = ("bn", "bk", "warps", "stages", "waves", "bt_max", "tma", "quad")
     return [dict(zip(keys, (int(v) for v in s.split(":")))) for s in names]
 
 

@@ -94,6 +94,7 @@ def run(m, slot_rows, k, rank, dtype, cfg=None, sems=None, q=None):
         (3, [96, 32, 32], 1024, dg.DecodeConfig(64, 256, 16, 2, 4, 2)),  # split K, q/k/v slots
         (33, [80, 48], 512, dg.DecodeConfig(64, 256, 32, 1, 4, 3)),  # ragged tiles, zero-filled; a slot boundary
         (70, [64], 768, dg.DecodeConfig(32, 256, 64, 3, 4, 2)),  # two token blocks
+        (5, [96, 32, 32], 1024, dg.DecodeConfig(64, 256, 16, 2, 4, 3, quad=True)),  # one byte per lane of a quad
     ],
 )
 def test_matches_the_dequantized_reference(m, slot_rows, k, cfg, rank, dtype):

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from qerl_trl.nvfp4._launch import KernelLauncher
-from qerl_trl.nvfp4.triton_kernels import _code_value, _dequant_asm, _interpreting
+from qerl_trl.nvfp4.triton_kernels import _code_value, _dequant_asm, _interpreting, _pair_ptx
 
 from .lora_kernels import lora_shrink
 
@@ -56,6 +56,19 @@ __all__ = ["MAX_ROWS", "DecodeConfig", "decode_config", "nvfp4_lora_linear", "nv
 MAX_ROWS = 256
 _ASM_BF16 = tl.constexpr(_dequant_asm(True, words=1))
 _ASM_F16 = tl.constexpr(_dequant_asm(False, words=1))
+
+
+def _byte_asm(is_bf16: bool) -> str:
+    """PTX: byte ``c`` of word ``$2`` (selector ``$3`` = ``(c << 12) | ((4 + c) << 4)``) times the 16-bit scale
+    ``$4`` -> its two columns ``2c``, ``2c + 1`` as 16-bit floats (``$0``, ``$1``): the share of a word that lane ``c``
+    of a quad holds in an MMA operand fragment (the recipe of ``triton_kernels._dequant_asm``)."""
+    lines = ["{", ".reg .b32 u, t, m, o, s2, z;", "mov.b32 s2, {$4, $4};", "mov.b32 z, 0x80008000;",
+             "shl.b32 u, $2, 4;", *_pair_ptx("$2", "$3", is_bf16), "mov.b32 {$0, $1}, o;", "}"]
+    return "\n".join(lines)
+
+
+_BYTE_BF16 = tl.constexpr(_byte_asm(True))
+_BYTE_F16 = tl.constexpr(_byte_asm(False))
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class DecodeConfig:
     warps: int
     stages: int
     tma: bool = True
+    quad: bool = False
 
 
 @triton.jit
@@ -97,6 +111,33 @@ def _dequant_tile(q, sc, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr)
     # column 8w + j of the tile is c_j of word w (same register-only joins as triton_kernels._dequant_rows)
     return tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7))),
                       (BN, BK))
+
+
+@triton.jit
+def _dequant_tile_quad(q, sc, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr):
+    """:func:`_dequant_tile` shaped for the MMA's operand layout: every word is broadcast to 4 lanes and lane ``c``
+    dequantizes only byte ``c`` (columns ``8w + 2c``, ``8w + 2c + 1``), which is what that lane of a quad holds in
+    an A fragment, so the tile can reach the tensor cores without an exchange between threads."""
+    W: tl.constexpr = BK // 8
+    q4 = tl.broadcast_to(q[:, :, None], (BN, W, 4))
+    c = tl.arange(0, 4)[None, None, :]
+    bits = ((sc & 0x7F).to(tl.int16) << 7) | ((sc & 0x80).to(tl.int16) << 8)
+    sf = bits.to(tl.float16, bitcast=True).to(tl.float32)  # scale * 2^-8, exact
+    if MODE == 2:
+        byte = (q4 >> (c * 8)) & 0xFF
+        s4 = tl.broadcast_to((sf * 256.0)[:, :, None], (BN, W, 4))
+        lo, hi = _code_value(byte, 0) * s4, _code_value(byte, 4) * s4
+    else:
+        sel = tl.broadcast_to((c << 12) | ((c + 4) << 4), (BN, W, 4))
+        if MODE == 0:
+            s4 = tl.broadcast_to((sf * 2.0**127).to(tl.bfloat16)[:, :, None], (BN, W, 4))
+            lo, hi = tl.inline_asm_elementwise(_BYTE_BF16, "=h,=h,r,r,h", [q4, sel, s4], dtype=(tl.bfloat16,) * 2,
+                                               is_pure=True, pack=1)
+        else:
+            s4 = tl.broadcast_to((sf * 256.0).to(tl.float16)[:, :, None], (BN, W, 4))
+            lo, hi = tl.inline_asm_elementwise(_BYTE_F16, "=h,=h,r,r,h", [q4, sel, s4], dtype=(tl.float16,) * 2,
+                                               is_pure=True, pack=1)
+    return tl.reshape(tl.join(lo, hi), (BN, BK))  # [BN, W, 4, 2] -> column 8w + 2c + b
 
 
 @triton.jit
@@ -155,7 +196,7 @@ def _decode_gemm_tma_kernel(x_desc, q_desc, s_desc, gs_ptr, t_ptr, b_ptr, bounds
                             M, N, K, stride_ym, stride_bn, R, steps_per_split, SPLITS,
                             BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SPLIT_K: tl.constexpr,
                             MODE: tl.constexpr, HAS_LORA: tl.constexpr, S: tl.constexpr, RANK: tl.constexpr,
-                            RP: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+                            RP: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr, QUAD: tl.constexpr):  # fmt: skip
     """:func:`_decode_gemm_kernel` with the weight words, scale bytes and activations brought in by the copy engine
     (TMA: host tensor descriptors), ``STAGES`` steps in flight per program without registers; the descriptors
     zero-fill past the tensors' ends, so no masks."""
@@ -170,7 +211,11 @@ def _decode_gemm_tma_kernel(x_desc, q_desc, s_desc, gs_ptr, t_ptr, b_ptr, bounds
         q = q_desc.load([pid_n * BN, step * (BK // 8)])
         sg = s_desc.load([pid_n * BN, step * (BK // 16)])
         xv = x_desc.load([pid_t * BT, step * BK])
-        w = _dequant_tile(q, tl.reshape(tl.join(sg, sg), (BN, BK // 8)), BN, BK, MODE)  # word 2g+j: scale g
+        sc = tl.reshape(tl.join(sg, sg), (BN, BK // 8))  # word 2g+j: scale g
+        if QUAD:
+            w = _dequant_tile_quad(q, sc, BN, BK, MODE)
+        else:
+            w = _dequant_tile(q, sc, BN, BK, MODE)
         if UPCAST:
             acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
         else:
@@ -276,7 +321,7 @@ BT_MAX = 64
 
 
 def decode_config(m: int, n: int, k: int, device: torch.device, bn: int = 64, bk: int = 256, waves: int = WAVES,
-                  warps: int = 4, stages: int = 0, bt_max: int = BT_MAX, tma: int = 1) -> DecodeConfig:
+                  warps: int = 4, stages: int = 0, bt_max: int = BT_MAX, tma: int = 1, quad: int = 0) -> DecodeConfig:
     """The launch shape for ``m`` tokens through an ``[n, k]`` weight: ``bn`` weight rows x up to ``bt_max`` tokens
     (a power of two from 16) per program; split K until about ``waves`` programs per SM run, at least 4 steps each;
     ``stages`` TMA steps in flight (0: 3 for up to 32 tokens, else 2, which the shared memory holds)."""
@@ -286,7 +331,7 @@ def decode_config(m: int, n: int, k: int, device: torch.device, bn: int = 64, bk
     steps = triton.cdiv(k, bk)
     splits = max(1, min(steps // 4, triton.cdiv(waves * _sm_count(device), tiles)))
     per = triton.cdiv(steps, splits)
-    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages, bool(tma))
+    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages, bool(tma), bool(quad))
 
 
 def decode_workspace(n: int, device: torch.device | str | None = None, bn_min: int = 16) -> torch.Tensor:
@@ -338,7 +383,7 @@ def _launch(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
     if cfg.tma and tma_ok(x2, packed, scale, cfg):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        key = (mode, cfg.bn, cfg.bk, cfg.bt, splits > 1, has_lora, slots, rank, rp, cfg.warps, cfg.stages)
+        key = (mode, cfg.bn, cfg.bk, cfg.bt, splits > 1, has_lora, slots, rank, rp, cfg.warps, cfg.stages, cfg.quad)
         _gemm_tma_launch(
             (tiles, splits, t_blocks),
             (TensorDescriptor.from_tensor(x2, [cfg.bt, cfg.bk]),
@@ -347,7 +392,7 @@ def _launch(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
              bounds, sems, p, y, m, n, k, y.stride(0), b_stride, r_total, per, splits),
             key,
             dict(BN=cfg.bn, BK=cfg.bk, BT=cfg.bt, SPLIT_K=splits > 1, MODE=mode, HAS_LORA=has_lora, S=slots,
-                 RANK=rank, RP=rp, UPCAST=interp, STAGES=cfg.stages),
+                 RANK=rank, RP=rp, UPCAST=interp, STAGES=cfg.stages, QUAD=cfg.quad),
             dict(num_warps=cfg.warps))
         return y
     even = k % cfg.bk == 0
