@@ -114,27 +114,38 @@ def _dequant_tile(q, sc, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr)
 
 
 @triton.jit
-def _dequant_tile_quad(q, sc, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr):
-    """:func:`_dequant_tile` shaped for the MMA's operand layout: every word is broadcast to 4 lanes and lane ``c``
-    dequantizes only byte ``c`` (columns ``8w + 2c``, ``8w + 2c + 1``), which is what that lane of a quad holds in
-    an A fragment, so the tile can reach the tensor cores without an exchange between threads."""
+def _scale_16bit(sg, MODE: tl.constexpr):
+    """E4M3 scale bytes -> the 16-bit scale the PTX ``fma`` takes (``scale · 2^119`` as bf16, ``scale`` as fp16), or
+    the scale as fp32 (MODE 2), exactly: the E4M3 bits placed in an fp16 are ``scale · 2^-8``."""
+    bits = ((sg & 0x7F).to(tl.int16) << 7) | ((sg & 0x80).to(tl.int16) << 8)
+    sf = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    if MODE == 0:
+        return (sf * 2.0**127).to(tl.bfloat16)
+    elif MODE == 1:
+        return (sf * 256.0).to(tl.float16)
+    return sf * 256.0
+
+
+@triton.jit
+def _dequant_tile_quad(q, sg, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr):
+    """:func:`_dequant_tile` shaped for the MMA's operand layout: every word is broadcast to the 4 lanes of a quad and
+    lane ``c`` dequantizes only byte ``c`` (columns ``8w + 2c``, ``8w + 2c + 1``), which is what that lane holds in an
+    A fragment: Triton then loads the words from shared memory straight in the operand layout, and no exchange
+    between threads is left. ``sg``: the scale bytes, one per 16 columns (converted once, then one per word)."""
     W: tl.constexpr = BK // 8
     q4 = tl.broadcast_to(q[:, :, None], (BN, W, 4))
     c = tl.arange(0, 4)[None, None, :]
-    bits = ((sc & 0x7F).to(tl.int16) << 7) | ((sc & 0x80).to(tl.int16) << 8)
-    sf = bits.to(tl.float16, bitcast=True).to(tl.float32)  # scale * 2^-8, exact
+    s16 = _scale_16bit(sg, MODE)
+    s4 = tl.broadcast_to(tl.reshape(tl.join(s16, s16), (BN, W))[:, :, None], (BN, W, 4))  # word 2g+j: scale g
     if MODE == 2:
         byte = (q4 >> (c * 8)) & 0xFF
-        s4 = tl.broadcast_to((sf * 256.0)[:, :, None], (BN, W, 4))
         lo, hi = _code_value(byte, 0) * s4, _code_value(byte, 4) * s4
     else:
         sel = tl.broadcast_to((c << 12) | ((c + 4) << 4), (BN, W, 4))
         if MODE == 0:
-            s4 = tl.broadcast_to((sf * 2.0**127).to(tl.bfloat16)[:, :, None], (BN, W, 4))
             lo, hi = tl.inline_asm_elementwise(_BYTE_BF16, "=h,=h,r,r,h", [q4, sel, s4], dtype=(tl.bfloat16,) * 2,
                                                is_pure=True, pack=1)
         else:
-            s4 = tl.broadcast_to((sf * 256.0).to(tl.float16)[:, :, None], (BN, W, 4))
             lo, hi = tl.inline_asm_elementwise(_BYTE_F16, "=h,=h,r,r,h", [q4, sel, s4], dtype=(tl.float16,) * 2,
                                                is_pure=True, pack=1)
     return tl.reshape(tl.join(lo, hi), (BN, BK))  # [BN, W, 4, 2] -> column 8w + 2c + b
@@ -211,11 +222,10 @@ def _decode_gemm_tma_kernel(x_desc, q_desc, s_desc, gs_ptr, t_ptr, b_ptr, bounds
         q = q_desc.load([pid_n * BN, step * (BK // 8)])
         sg = s_desc.load([pid_n * BN, step * (BK // 16)])
         xv = x_desc.load([pid_t * BT, step * BK])
-        sc = tl.reshape(tl.join(sg, sg), (BN, BK // 8))  # word 2g+j: scale g
         if QUAD:
-            w = _dequant_tile_quad(q, sc, BN, BK, MODE)
+            w = _dequant_tile_quad(q, sg, BN, BK, MODE)
         else:
-            w = _dequant_tile(q, sc, BN, BK, MODE)
+            w = _dequant_tile(q, tl.reshape(tl.join(sg, sg), (BN, BK // 8)), BN, BK, MODE)  # word 2g+j: scale g
         if UPCAST:
             acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
         else:
