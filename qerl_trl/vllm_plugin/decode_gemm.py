@@ -120,10 +120,12 @@ def _scale_16bit(sg, MODE: tl.constexpr):
     bits = ((sg & 0x7F).to(tl.int16) << 7) | ((sg & 0x80).to(tl.int16) << 8)
     sf = bits.to(tl.float16, bitcast=True).to(tl.float32)
     if MODE == 0:
-        return (sf * 2.0**127).to(tl.bfloat16)
+        out = (sf * 2.0**127).to(tl.bfloat16)
     elif MODE == 1:
-        return (sf * 256.0).to(tl.float16)
-    return sf * 256.0
+        out = (sf * 256.0).to(tl.float16)
+    else:
+        out = sf * 256.0
+    return out  # one return: Triton 3.6 types every return of a function alike, constexpr branches or not
 
 
 @triton.jit
