@@ -107,6 +107,7 @@ def test_the_config_splits_k_for_few_tiles_and_not_for_many():
     many = dg.decode_config(1, 37888, 3584, dev)  # gate/up: 592 tiles
     assert few.splits > 1 and many.splits == 1
     assert dg.decode_config(256, 37888, 3584, dev).bt == dg.BT_MAX and dg.decode_config(3, 512, 512, dev).bt == 16
+    assert not dg.decode_config(16, 512, 512, dev).quad and dg.decode_config(17, 512, 512, dev).quad
     steps = -(-18944 // few.bk)
     assert -(-steps // few.splits) * (few.splits - 1) < steps  # no split is empty
 

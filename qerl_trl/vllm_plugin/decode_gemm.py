@@ -82,7 +82,7 @@ class DecodeConfig:
     warps: int
     stages: int
     tma: bool = True
-    quad: bool = False
+    quad: bool = False  # lane c of a quad dequantizes byte c of each word (the MMA operand layout)
 
 
 @triton.jit
@@ -325,25 +325,28 @@ def _sm_count(device: torch.device) -> int:
 
 
 #: Programs per SM the K split aims for at decode sizes (weight-read bound: bytes in flight per SM), and the most
-#: tokens per program: from the H100 sweep at 1833cae+ (``decode_linear_sweep*``): 4 waves and 3 TMA stages were best
-#: or within 3% on every Qwen2.5-7B linear at 1-16 rows; 256 tokens per program spilled its accumulator (1.26 ms on
-#: gate/up against 0.42 ms as four blocks of 64)
+#: tokens per program. From the H100 sweeps (``decode_linear_sweep-h100.json``, 1b81e68, and
+#: ``decode_linear_quad-h100.json``, a082897): at 16 tokens, 4 waves and 3 TMA stages of the plain dequantization
+#: were best or within 3% on every Qwen2.5-7B linear; from 32 tokens, 2 stages of the quad dequantization (7B
+#: gate/up at 64 rows: 69 µs against 102 µs); 256 tokens per program spilled the accumulator (1.26 ms on gate/up
+#: against 0.42 ms as four blocks of 64)
 WAVES = 4
 BT_MAX = 64
 
 
 def decode_config(m: int, n: int, k: int, device: torch.device, bn: int = 64, bk: int = 256, waves: int = WAVES,
-                  warps: int = 4, stages: int = 0, bt_max: int = BT_MAX, tma: int = 1, quad: int = 0) -> DecodeConfig:
+                  warps: int = 4, stages: int = 0, bt_max: int = BT_MAX, tma: int = 1, quad: int = -1) -> DecodeConfig:
     """The launch shape for ``m`` tokens through an ``[n, k]`` weight: ``bn`` weight rows x up to ``bt_max`` tokens
-    (a power of two from 16) per program; split K until about ``waves`` programs per SM run, at least 4 steps each;
-    ``stages`` TMA steps in flight (0: 3 for up to 32 tokens, else 2, which the shared memory holds)."""
+    (a power of two from 16) per program; split K until about ``waves`` programs per SM run, at least 4 steps each.
+    ``stages`` TMA steps in flight and ``quad`` dequantization (0 / -1: as measured best, see :data:`WAVES`)."""
     bt = min(bt_max, max(16, triton.next_power_of_2(m)))
-    stages = stages or (3 if bt <= 32 else 2)
+    stages = stages or (3 if bt <= 16 else 2)
+    quad = bt > 16 if quad < 0 else bool(quad)
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bt)
     steps = triton.cdiv(k, bk)
     splits = max(1, min(steps // 4, triton.cdiv(waves * _sm_count(device), tiles)))
     per = triton.cdiv(steps, splits)
-    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages, bool(tma), bool(quad))
+    return DecodeConfig(bn, bk, bt, triton.cdiv(steps, per), warps, stages, bool(tma), quad)
 
 
 def decode_workspace(n: int, device: torch.device | str | None = None, bn_min: int = 16) -> torch.Tensor:
