@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from ..nvfp4 import NVFP4Linear
+from ..nvfp4.linear import ACTIVATION_DTYPES
 from ..nvfp4 import format as nvfp4
+from .moe import refuse_moe_model
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +43,19 @@ def matches(name: str, patterns: Iterable[str] | None) -> bool:
 
 def check_supported(model: nn.Module) -> None:
     """Refuse models whose bulk is not in ``nn.Linear`` (MoE expert tensors, or no Linear at all)."""
-    experts = [n for n, p in model.named_parameters() if p.ndim == 3]
-    if experts:
-        raise NotImplementedError(
-            f"NVFP4Config quantizes dense nn.Linear layers only; {type(model).__name__} stores weights as 3-D "
-            f"tensors (mixture-of-experts, e.g. {experts[0]!r}) that would silently stay 16-bit. "
-            "Use a dense model (Llama, Qwen2, Qwen3, Mistral families)."
-        )
+    refuse_moe_model(model)
     if not any(isinstance(m, nn.Linear) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} has no nn.Linear layer to quantize to NVFP4.")
+
+
+#: why a Linear stays 16-bit (``ConversionPlan.kept``); the first two are the user's or the format's choice
+KEEP_USER = "named in modules_to_not_convert"
+KEEP_OUTPUT_EMBEDDING = "output embedding (lm_head), 16-bit by design"
+KEEP_CHECKPOINT = "stored 16-bit in the checkpoint"
+KEEP_FP32 = "kept in fp32 by the model class (_keep_in_fp32_modules)"
+KEEP_IN_FEATURES = f"in_features not a multiple of {nvfp4.BLOCK_SIZE} (the NVFP4 block size)"
+#: reasons that are a choice (the user's, the checkpoint author's, QeRL's format): not warned about
+CHOSEN_REASONS = (KEEP_USER, KEEP_OUTPUT_EMBEDDING, KEEP_CHECKPOINT)
 
 
 @dataclass
@@ -57,11 +63,31 @@ class ConversionPlan:
     """Which Linears become NVFP4 (each with its fused group) and which stay 16-bit."""
 
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> its group (incl. itself)
-    kept: list[str] = field(default_factory=list)  # Linear modules left 16-bit (the checkpoint's `ignore`)
+    kept: dict[str, str] = field(default_factory=dict)  # Linear left 16-bit -> why (the checkpoint's `ignore`)
 
     @property
     def modules(self) -> list[str]:
         return list(self.groups)
+
+    def kept_by_reason(self, unchosen_only: bool = False) -> dict[str, list[str]]:
+        """Kept modules grouped by reason; ``unchosen_only`` drops the user's, the checkpoint's and lm_head."""
+        out: dict[str, list[str]] = {}
+        for name, reason in self.kept.items():
+            if not (unchosen_only and reason in CHOSEN_REASONS):
+                out.setdefault(reason, []).append(name)
+        return out
+
+    def warn_unchosen(self) -> None:
+        """One warning per reason a Linear stayed 16-bit that nobody chose (count, reason, first names)."""
+        for reason, names in self.kept_by_reason(unchosen_only=True).items():
+            logger.warning(
+                "NVFP4: %d of %d Linear layers stay 16-bit: %s (%s). They train and serve unquantized.",
+                len(names), len(self.kept) + len(self.groups), reason, _first(names),
+            )
+
+
+def _first(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
 def plan_conversion(
@@ -69,35 +95,40 @@ def plan_conversion(
     modules_to_not_convert: Iterable[str] | None,
     fused_groups: Iterable[Iterable[str]],
     only: set[str] | None = None,
+    keep_fp32: Iterable[str] | None = None,
 ) -> ConversionPlan:
-    """Choose the Linears to quantize.
+    """Choose the Linears to quantize, and record why each other Linear stays 16-bit (``plan.kept``).
 
-    Skipped: the output embedding (``lm_head``), ``modules_to_not_convert``, and Linears whose in_features is
-    not a multiple of 16 (logged). ``only`` (pre-quantized checkpoints) restricts to the modules stored packed.
-    A fused group must be converted whole: a partly skipped q/k/v raises, since vLLM could not fuse it.
+    Kept: the output embedding (``lm_head``), ``modules_to_not_convert``, the model class's
+    ``_keep_in_fp32_modules`` (``keep_fp32``), Linears whose in_features is not a multiple of 16, and, for
+    pre-quantized checkpoints, modules not in ``only`` (those stored packed). A fused group must be converted
+    whole: a partly skipped q/k/v raises, since vLLM could not fuse it. Converting nothing raises.
     """
     check_supported(model)
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    skip = list(modules_to_not_convert or ())
     plan = ConversionPlan()
     converted: list[str] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if module is out_emb or matches(name, skip) or (only is not None and name not in only):
-            plan.kept.append(name)
+        if module is out_emb:
+            plan.kept[name] = KEEP_OUTPUT_EMBEDDING
+        elif matches(name, modules_to_not_convert):
+            plan.kept[name] = KEEP_USER
+        elif only is not None and name not in only:
+            plan.kept[name] = KEEP_CHECKPOINT
+        elif matches(name, keep_fp32):
+            plan.kept[name] = KEEP_FP32
         elif module.in_features % nvfp4.BLOCK_SIZE:
-            logger.info(
-                "NVFP4: keeping %s in 16-bit: in_features=%d is not a multiple of %d",
-                name, module.in_features, nvfp4.BLOCK_SIZE,
-            )
-            plan.kept.append(name)
+            plan.kept[name] = KEEP_IN_FEATURES
         else:
             converted.append(name)
     if not converted:
+        reasons = "; ".join(f"{len(v)} {k}" for k, v in plan.kept_by_reason().items())
         raise ValueError(
-            f"NVFP4Config found no Linear to quantize in {type(model).__name__} "
-            f"(all of {plan.kept} are skipped); check modules_to_not_convert."
+            f"NVFP4 found no Linear to quantize in {type(model).__name__}: all {len(plan.kept)} stay 16-bit "
+            f"({reasons}). Check modules_to_not_convert, or use a model whose hidden sizes are multiples of "
+            f"{nvfp4.BLOCK_SIZE}."
         )
     conv = set(converted)
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -198,25 +229,41 @@ def freeze_nvfp4(model: nn.Module) -> None:
                 p.requires_grad_(False)
 
 
-def quantize_model(model: nn.Module, config=None) -> nn.Module:
-    """Quantize an already-loaded 16-bit model in place (same rules and shared scales as loading with
-    ``NVFP4Config``). Prefer ``from_pretrained(..., quantization_config=NVFP4Config())``, which never holds the
-    whole 16-bit model; this is for models built in memory."""
+def quantize_model(model: nn.Module, config=None) -> ConversionPlan:
+    """Quantize an already-loaded 16-bit model in place, one fused group at a time; return the plan.
+
+    Same rules and shared scales as loading with ``NVFP4Config``. Each group's ``nn.Linear`` modules are
+    replaced by their ``NVFP4Linear`` as soon as the group is packed, so their 16-bit weights are freed (unless
+    the caller holds other references): peak memory is the model plus one group's packed copy, never a second
+    model. ``model.config.quantization_config`` becomes the compressed-tensors NVFP4A16 dict, so
+    ``save_pretrained`` writes a checkpoint vLLM serves. Prefer ``from_pretrained(..., quantization_config=
+    NVFP4Config())`` when starting from files: it never holds the 16-bit model at all.
+    """
+    from .checkpoint import compressed_tensors_config
     from .config import NVFP4Config
 
     config = config or NVFP4Config()
-    plan = plan_conversion(model, config.modules_to_not_convert, config.fused_groups)
+    keep_fp32 = getattr(model, "_keep_in_fp32_modules", None)
+    plan = plan_conversion(model, config.modules_to_not_convert, config.fused_groups, keep_fp32=keep_fp32)
     done: set[str] = set()
     for name, group in plan.groups.items():
         if name in done:
             continue
-        linears = {n: model.get_submodule(n) for n in group}
-        qs = quantize_group({n: m.weight.data for n, m in linears.items()})
-        for n, m in linears.items():
-            dtype = m.weight.dtype if m.weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-            new = NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta", dtype=dtype)
-            new.load_quantized(qs[n], bias=None if m.bias is None else m.bias.data.to(dtype))
-            parent, _, child = n.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, new)
-            done.add(n)
-    return model
+        _quantize_group_in_place(model, group)
+        done.update(group)
+    plan.warn_unchosen()
+    if getattr(model, "config", None) is not None:
+        model.config.quantization_config = compressed_tensors_config(plan.kept)
+    return plan
+
+
+def _quantize_group_in_place(model: nn.Module, group: tuple[str, ...]) -> None:
+    """Pack one fused group and swap its modules in; this frame holds the last references to the 16-bit ones."""
+    linears = {n: model.get_submodule(n) for n in group}
+    packed = quantize_group({n: m.weight.detach() for n, m in linears.items()})
+    for n, m in linears.items():
+        dtype = m.weight.dtype if m.weight.dtype in ACTIVATION_DTYPES else torch.bfloat16
+        new = NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta", dtype=dtype)
+        new.load_quantized(packed.pop(n), bias=None if m.bias is None else m.bias.detach().to(dtype))
+        parent, _, child = n.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
