@@ -54,6 +54,8 @@ KEEP_OUTPUT_EMBEDDING = "output embedding (lm_head), 16-bit by design"
 KEEP_CHECKPOINT = "stored 16-bit in the checkpoint"
 KEEP_FP32 = "kept in fp32 by the model class (_keep_in_fp32_modules)"
 KEEP_IN_FEATURES = f"in_features not a multiple of {nvfp4.BLOCK_SIZE} (the NVFP4 block size)"
+#: the order reasons are reported in: what needs attention first
+REASON_ORDER = (KEEP_IN_FEATURES, KEEP_FP32, KEEP_CHECKPOINT, KEEP_USER, KEEP_OUTPUT_EMBEDDING)
 #: reasons that are a choice (the user's, the checkpoint author's, QeRL's format): not warned about
 CHOSEN_REASONS = (KEEP_USER, KEEP_OUTPUT_EMBEDDING, KEEP_CHECKPOINT)
 
@@ -75,19 +77,52 @@ class ConversionPlan:
         for name, reason in self.kept.items():
             if not (unchosen_only and reason in CHOSEN_REASONS):
                 out.setdefault(reason, []).append(name)
-        return out
+        return dict(sorted(out.items(), key=lambda kv: REASON_ORDER.index(kv[0])))
+
+    def unchosen_lines(self) -> list[str]:
+        """One line per reason a Linear stayed 16-bit that nobody chose: count, reason, first names."""
+        total = len(self.kept) + len(self.groups)
+        return [
+            f"{len(names)} of {total} Linear layers stay 16-bit: {reason} ({_first(names)}). "
+            "They train and serve unquantized."
+            for reason, names in self.kept_by_reason(unchosen_only=True).items()
+        ]
+
+    def summary(self) -> str:
+        """All Linears: how many are packed, and how many stay 16-bit for each reason."""
+        kept = "; ".join(f"{len(v)} {k}" for k, v in self.kept_by_reason().items()) or "none"
+        return f"{len(self.groups)} of {len(self.kept) + len(self.groups)} Linear layers in NVFP4; 16-bit: {kept}"
 
     def warn_unchosen(self) -> None:
-        """One warning per reason a Linear stayed 16-bit that nobody chose (count, reason, first names)."""
-        for reason, names in self.kept_by_reason(unchosen_only=True).items():
-            logger.warning(
-                "NVFP4: %d of %d Linear layers stay 16-bit: %s (%s). They train and serve unquantized.",
-                len(names), len(self.kept) + len(self.groups), reason, _first(names),
-            )
+        for line in self.unchosen_lines():
+            logger.warning("NVFP4: %s", line)
 
 
 def _first(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def keep_reason(
+    name: str,
+    in_features: int,
+    *,
+    output_embedding: bool,
+    modules_to_not_convert: Iterable[str] | None,
+    only: set[str] | None = None,
+    keep_fp32: Iterable[str] | None = None,
+) -> str | None:
+    """Why Linear ``name`` stays 16-bit (one of the ``KEEP_*`` reasons), or None when it is quantized."""
+    if output_embedding:
+        return KEEP_OUTPUT_EMBEDDING
+    if matches(name, modules_to_not_convert):
+        return KEEP_USER
+    if only is not None and name not in only:
+        return KEEP_CHECKPOINT
+    if matches(name, keep_fp32):
+        return KEEP_FP32
+    if in_features % nvfp4.BLOCK_SIZE:
+        return KEEP_IN_FEATURES
+    return None
 
 
 def plan_conversion(
@@ -111,18 +146,14 @@ def plan_conversion(
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if module is out_emb:
-            plan.kept[name] = KEEP_OUTPUT_EMBEDDING
-        elif matches(name, modules_to_not_convert):
-            plan.kept[name] = KEEP_USER
-        elif only is not None and name not in only:
-            plan.kept[name] = KEEP_CHECKPOINT
-        elif matches(name, keep_fp32):
-            plan.kept[name] = KEEP_FP32
-        elif module.in_features % nvfp4.BLOCK_SIZE:
-            plan.kept[name] = KEEP_IN_FEATURES
-        else:
+        reason = keep_reason(
+            name, module.in_features, output_embedding=module is out_emb,
+            modules_to_not_convert=modules_to_not_convert, only=only, keep_fp32=keep_fp32,
+        )  # fmt: skip
+        if reason is None:
             converted.append(name)
+        else:
+            plan.kept[name] = reason
     if not converted:
         reasons = "; ".join(f"{len(v)} {k}" for k, v in plan.kept_by_reason().items())
         raise ValueError(
