@@ -147,10 +147,10 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
             set_seed(args.seed)
             model, source_is_nvfp4 = self._load_nvfp4_model(model, args)
-        elif not has_nvfp4(model):
-            check_architecture(model.config, type(model).__name__)
-            quantize_instance(model, args.nvfp4_modules_to_not_convert)
-        self._check_policy(model)
+        else:
+            self._check_policy(model)
+            if not has_nvfp4(model):
+                quantize_instance(model, args.nvfp4_modules_to_not_convert)
 
         if processing_class is None:
             from transformers import AutoProcessor
@@ -274,11 +274,6 @@ class QeRLGRPOTrainer(GRPOTrainer):
     def _check_policy(model: nn.Module) -> None:
         base = _base_model(model)
         check_architecture(base.config, type(base).__name__)
-        if not any(isinstance(m, NVFP4Linear) for m in model.modules()):
-            raise ValueError(
-                "The model has no NVFP4 layers. Pass a model id/path to QeRLGRPOTrainer (it quantizes on load), or "
-                "load it with AutoModelForCausalLM.from_pretrained(..., quantization_config=qerl_trl.NVFP4Config())."
-            )
 
     @staticmethod
     def _vllm_checkpoint(model, source, source_is_nvfp4, processing_class, args) -> str:
