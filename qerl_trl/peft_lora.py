@@ -91,7 +91,9 @@ def check_lora_config_for_nvfp4(config: Any) -> None:
             "Use True (default), False or 'gaussian'."
         )
     if getattr(config, "lora_bias", False):
-        raise ValueError("lora_bias=True needs merging into the base, which NVFP4 does not support: set lora_bias=False")
+        raise ValueError(
+            "lora_bias=True needs merging into the base, which NVFP4 does not support: set lora_bias=False"
+        )
     if getattr(config, "fan_in_fan_out", False):
         raise ValueError("fan_in_fan_out=True does not apply to NVFP4Linear (its weight is [out, in]): set it False")
     if getattr(config, "target_parameters", None):

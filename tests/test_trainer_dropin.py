@@ -67,8 +67,8 @@ def test_nvfp4_instance_is_used_as_is(tmp_path):
 
 def test_16bit_instance_quantization_peak_is_model_plus_one_layer(monkeypatch):
     """Quantizing a user's instance frees each 16-bit weight as its packed copy is made: the heap never rises
-    by more than one layer, and ends lower by the 16-bit Linear weights less their packed copies. A copy of the model would rise by all of it
-    (checked with the same probe)."""
+    by more than one layer, and ends lower by the 16-bit Linear weights less their packed copies. A copy of the
+    model would rise by all of it (checked with the same probe)."""
     import copy
 
     from test_quantizer_memory import PeakSampler, _mallinfo, _nbytes
@@ -76,8 +76,10 @@ def test_16bit_instance_quantization_peak_is_model_plus_one_layer(monkeypatch):
     from qerl_trl.trainer.model_forms import quantize_instance
 
     used = _mallinfo()
-    kw = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
-    model = tiny_model("llama", **kw)
+    model = tiny_model(
+        "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2,
+    )  # fmt: skip
     full_16bit = _nbytes(model.parameters())
     layer_16bit = _nbytes(model.model.layers[0].parameters())
     linear_16bit = _nbytes(m.weight for m in model.model.layers.modules() if isinstance(m, nn.Linear))
@@ -98,7 +100,8 @@ def test_16bit_instance_quantization_peak_is_model_plus_one_layer(monkeypatch):
     freed = sampler.base - used()
     print(
         f"\n16-bit model {full_16bit / 2**20:.1f} MiB, one layer {layer_16bit / 2**20:.1f} MiB, peak rise "
-        f"{sampler.rise / 2**20:.2f} MiB, freed {freed / 2**20:.1f} MiB of {linear_16bit / 2**20:.1f} MiB 16-bit Linears"
+        f"{sampler.rise / 2**20:.2f} MiB, freed {freed / 2**20:.1f} MiB of {linear_16bit / 2**20:.1f} MiB of 16-bit "
+        "Linears"
     )
     assert sum(isinstance(m, NVFP4Linear) for m in model.modules()) == 8 * 7
     assert sampler.rise <= layer_16bit + 2 * 2**20, (sampler.rise, layer_16bit)
@@ -176,7 +179,9 @@ def test_options_an_always_on_lora_cannot_run_fail_in_the_config(tmp_path):
     with pytest.raises(ValueError, match="sync_ref_model=True cannot run in QeRL.*set sync_ref_model=False"):
         QeRLGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, beta=0.04, sync_ref_model=True)
     with pytest.raises(ValueError, match=r"model_init_kwargs\['quantization_config'\] is not used"):
-        QeRLGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, model_init_kwargs={"quantization_config": {}})
+        QeRLGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, model_init_kwargs={"quantization_config": {}}
+        )
 
 
 def test_a_trainer_built_without_init_runs_the_overrides_like_trl(monkeypatch):

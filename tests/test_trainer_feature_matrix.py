@@ -158,8 +158,10 @@ def test_chat_template_kwargs_on_conversational_prompts(checkpoint, tmp_path, mo
 
     monkeypatch.setattr(tok_cls, "apply_chat_template", spy)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(8)]
-    run(checkpoint, tmp_path, reward_funcs=(chat_token_sum_reward,), train_dataset=Dataset.from_dict({"prompt": prompts}),
-        chat_template_kwargs={"qerl_style": "terse"})  # fmt: skip
+    run(
+        checkpoint, tmp_path, reward_funcs=(chat_token_sum_reward,), chat_template_kwargs={"qerl_style": "terse"},
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+    )  # fmt: skip
     assert "terse" in seen
 
 
@@ -194,8 +196,8 @@ def test_tools(checkpoint, tmp_path, monkeypatch):
         text = tokenizer.decode(ids, skip_special_tokens=True)
         if prefix is not None and len(calls) % 2 == 0 and "w" in text:
             calls.append(text)
-            return {"role": "assistant", "content": "",
-                    "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}]}  # noqa: E501
+            call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+            return {"role": "assistant", "content": "", "tool_calls": [call]}
         calls.append(None)
         return {"role": "assistant", "content": text}
 
@@ -205,8 +207,9 @@ def test_tools(checkpoint, tmp_path, monkeypatch):
     tokenizer.response_template = "unused: parse_response is patched"
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(8)]
     _, steps = run(
-        checkpoint, tmp_path, reward_funcs=(chat_token_sum_reward,), train_dataset=Dataset.from_dict({"prompt": prompts}),
-        max_tool_calling_iterations=1,
-        trainer_kwargs={"tools": [multiply], "processing_class": tokenizer}, extra=("tools/call_frequency", "tools/failure_frequency"),
+        checkpoint, tmp_path, reward_funcs=(chat_token_sum_reward,), max_tool_calling_iterations=1,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        trainer_kwargs={"tools": [multiply], "processing_class": tokenizer},
+        extra=("tools/call_frequency", "tools/failure_frequency"),
     )  # fmt: skip
     assert any(s["tools/call_frequency"] > 0 for s in steps) and all(s["tools/failure_frequency"] == 0 for s in steps)

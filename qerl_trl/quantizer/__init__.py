@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .checkpoint import checkpoint_plan, compressed_tensors_config, load_nvfp4, nvfp4a16_problems
 from .config import DEFAULT_FUSED_GROUPS, QUANT_METHOD, NVFP4Config
-from .conversion import quantize_model
+from .in_place import quantize_model
 from .hf_quantizer import NVFP4HfQuantizer
 from . import compat
 
