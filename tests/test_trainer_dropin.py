@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from trl import GRPOTrainer
@@ -255,3 +256,42 @@ def test_tiny_config_is_dense():
     from qerl_trl.quantizer.moe import moe_expert_count
 
     assert moe_expert_count(tiny_config("qwen3")) == 0 and moe_expert_count(_moe_config("mixtral")) == 4
+
+
+def digit_count_reward(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in c[-1]["content"])) for c in completions]
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_peft_model_on_a_16bit_instance_trains_with_vllm_colocate(smollm2_checkpoints, tmp_path):
+    """GPU: a user's PeftModel on a 16-bit SmolLM2 instance -> base quantized in place, the NVFP4A16 checkpoint
+    written for vLLM from it, the user's LoRA served by vLLM and trained; vLLM's and the trainer's log-probs agree.
+    Run: pytest -m "gpu and vllm" tests/test_trainer_dropin.py -k vllm_colocate"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bf16_dir, _ = smollm2_checkpoints
+    base = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16, device_map="cuda")
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    args = QeRLGRPOConfig(
+        output_dir=str(tmp_path / "out"), report_to="none", max_steps=3, logging_steps=1, save_strategy="no",
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=32, learning_rate=1e-4,
+        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=512,
+        nvfp4_cache_dir=str(tmp_path / "cache"), seed=0, aqn=False,  # no noise: the log-prob gap is the serving's
+    )  # fmt: skip
+    prompts = [[{"role": "user", "content": f"What is {a} + {a + 7}?"}] for a in range(16)]
+    trainer = QeRLGRPOTrainer(
+        model=get_peft_model(base, lora), reward_funcs=digit_count_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=AutoTokenizer.from_pretrained(bf16_dir),
+    )  # fmt: skip
+    assert trainer.model.peft_config["default"].r == 16
+    assert sum(isinstance(m, NVFP4Linear) for m in trainer.model.modules()) > 0
+    lora0, packed0 = lora_state(trainer.model), packed_state(trainer.model)
+    trainer.train()
+    lora1, packed1 = lora_state(trainer.model), packed_state(trainer.model)
+    assert any(not torch.equal(lora0[n], lora1[n]) for n in lora0 if "lora_B" in n)
+    assert all(torch.equal(packed0[n], packed1[n]) for n in packed0)
+    gaps = [h["sampling/sampling_logp_difference/mean"] for h in trainer.state.log_history
+            if "sampling/sampling_logp_difference/mean" in h]  # fmt: skip
+    print("vLLM vs trainer log-prob gap per step:", gaps)
+    assert gaps and max(gaps) < 0.3  # healthy runs measure ~0.05 (QeRLGRPOConfig.vllm_max_logprob_gap's doc)

@@ -2,8 +2,10 @@
 
 Overrides (TRL 1.16):
 
-* ``__init__``: loads a model id/path through ``NVFP4Config`` (a 16-bit checkpoint is quantized on load, an
-  NVFP4A16 one loads packed), applies the default LoRA when no ``peft_config`` is given, checks the LoRA can be
+* ``__init__``: takes every ``model=`` form TRL does (``model_forms``): loads a model id/path through
+  ``NVFP4Config`` (a 16-bit checkpoint is quantized on load, an NVFP4A16 one loads packed), quantizes a 16-bit
+  instance in place, keeps a PeftModel's LoRA on its quantized base; refuses what the NVFP4 base cannot run before
+  any weight is converted; applies the default LoRA when no ``peft_config`` is given, checks the LoRA can be
   served by vLLM, prepares the NVFP4A16 checkpoint vLLM serves, and lets ``GRPOTrainer.__init__`` build its vLLM
   backend as ``QeRLVLLMGeneration`` (see ``vllm_lora``), so only one engine is built.
 * ``_generate``: once per generation round, draws the round's AQN noise, pushes LoRA + noised norms to vLLM
