@@ -152,6 +152,7 @@ def test_peft_model_on_an_nvfp4_base(tmp_path):
         (LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]), "plain LoRA only; use_dora"),
         (LoraConfig(r=4, init_lora_weights="pissa", target_modules=["q_proj"]), "pissa.*dense base weight"),
         (LoraConfig(r=4, lora_bias=True, target_modules=["q_proj"]), "lora_bias=True"),
+        (LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), "remove 'lm_head' from target_modules"),
     ],
 )
 def test_refused_peft_options_fail_before_the_model_is_converted(tmp_path, lora, match):

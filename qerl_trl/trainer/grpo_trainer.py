@@ -203,8 +203,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
             cls = make_qerl_vllm_generation_class()
             swap = swap_trl_vllm_generation(lambda *a, **kw: cls(*a, serving=spec, **kw))
 
-        if split is not None:  # the user's LoRA, with its tensors, back on the NVFP4 base (TRL then copies it as
-            model, peft_config = rewrap_peft_model(model, split), None  # the reference adapter when beta > 0)
+        if split is not None:  # the user's LoRA and tensors back on the NVFP4 base (TRL copies it as "ref" if beta>0)
+            model, peft_config = rewrap_peft_model(model, split), None
         if swap is None:
             super().__init__(
                 model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
@@ -240,6 +240,12 @@ class QeRLGRPOTrainer(GRPOTrainer):
         from ..peft_lora import check_lora_config_for_nvfp4
 
         check_lora_config_for_nvfp4(lora_config)
+        targets = lora_config.target_modules
+        if isinstance(targets, (list, set, tuple)) and "lm_head" in targets:  # GRPOTrainer refuses it after loading
+            raise ValueError(
+                "LoRA on lm_head is never trained by GRPO (TRL computes log-probs from lm_head.weight directly): "
+                "remove 'lm_head' from target_modules."
+            )
         if args.use_vllm:
             from .vllm_lora import check_lora_config_for_vllm
 
