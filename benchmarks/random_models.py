@@ -407,13 +407,14 @@ class _Layout:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         self.plan = plan_conversion(model, None, DEFAULT_FUSED_GROUPS)
-        if len(self.plan.kept) != 1 or model.get_submodule(self.plan.kept[0]) is not model.get_output_embeddings():
+        kept = list(self.plan.kept)  # module -> why it stays 16-bit
+        if len(kept) != 1 or model.get_submodule(kept[0]) is not model.get_output_embeddings():
             raise ValueError(
                 f"every decoder Linear needs in_features divisible by 16; these would stay 16-bit: {self.plan.kept}"
             )
         shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if n in self.plan.groups}
         tied = bool(config.get_text_config(decoder=True).tie_word_embeddings)
-        out_emb = self.plan.kept[0] + ".weight"
+        out_emb = kept[0] + ".weight"
         self.units: dict[str, list[tuple[str, Any]]] = {}
         done: set[tuple[str, ...]] = set()
         for pname, p in model.named_parameters(remove_duplicate=False):

@@ -108,8 +108,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         gguf_file=args.gguf_file,
         max_shard_size=args.max_shard_size,
     )
+    from .quantizer import checkpoint_plan
+
     size = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9
-    print(f"NVFP4A16 checkpoint written to {out} ({size:.2f} GB of weights).")
+    plan = checkpoint_plan(out, args.modules_to_not_convert)
+    print(f"NVFP4A16 checkpoint written to {out} ({size:.2f} GB of weights): {plan.summary()}.")
+    for line in plan.unchosen_lines():
+        print(f"warning: {line}", file=sys.stderr)
     print(f"Serve it: vllm serve {out} --quantization compressed-tensors")
     return 0
 

@@ -55,6 +55,54 @@ def _merge_error(what: str) -> NVFP4MergeError:
     )
 
 
+#: LoRA variants PEFT 0.21 builds on a layer (config attribute, whether it is switched on)
+_VARIANTS = (
+    ("use_dora", lambda c: bool(getattr(c, "use_dora", False))),
+    ("alora_invocation_tokens", lambda c: getattr(c, "alora_invocation_tokens", None) is not None),
+    ("arrow_config", lambda c: getattr(c, "arrow_config", None) is not None),
+    ("velora_config", lambda c: getattr(c, "velora_config", None) is not None),
+    ("use_bdlora", lambda c: bool(getattr(c, "use_bdlora", False))),
+    ("monteclora_config", lambda c: getattr(c, "monteclora_config", None) is not None),
+    ("kasa_config", lambda c: getattr(c, "kasa_config", None) is not None),
+)
+
+
+def check_lora_config_for_nvfp4(config: Any) -> None:
+    """Raise a ValueError naming every setting of a PEFT config that a LoRA on an NVFP4 base cannot have.
+
+    Runs before any layer is built (the trainer calls it before quantizing a user's model), so a refused option
+    costs nothing. Plain LoRA on Linear layers is what the frozen packed base supports.
+    """
+    if type(config).__name__ != "LoraConfig":
+        raise ValueError(
+            f"QeRL trains a LoRA on the NVFP4 base; got a {type(config).__name__}. Use peft.LoraConfig "
+            "(or pass no peft_config for QeRLGRPOConfig's default LoRA)."
+        )
+    used = [name for name, on in _VARIANTS if on(config)]
+    if used:
+        raise ValueError(
+            f"LoRA on NVFP4Linear supports plain LoRA only; {', '.join(used)} is not supported. "
+            "Remove it from the LoraConfig."
+        )
+    init = config.init_lora_weights
+    if not any(init is ok or (isinstance(init, str) and init == ok) for ok in _SUPPORTED_INITS):
+        raise ValueError(
+            f"init_lora_weights={init!r} needs a dense base weight, which an NVFP4 layer does not keep. "
+            "Use True (default), False or 'gaussian'."
+        )
+    if getattr(config, "lora_bias", False):
+        raise ValueError(
+            "lora_bias=True needs merging into the base, which NVFP4 does not support: set lora_bias=False"
+        )
+    if getattr(config, "fan_in_fan_out", False):
+        raise ValueError("fan_in_fan_out=True does not apply to NVFP4Linear (its weight is [out, in]): set it False")
+    if getattr(config, "target_parameters", None):
+        raise ValueError(
+            f"target_parameters={list(config.target_parameters)} puts LoRA on raw parameters through PEFT's "
+            "ParamWrapper, which adds B@A to the dense tensor; the packed NVFP4 base keeps none. Use target_modules."
+        )
+
+
 try:  # the class body needs PEFT; qerl_trl's core (format, NVFP4Linear) does not
     from peft.tuners.lora.layer import VARIANT_KWARG_KEYS, LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -86,8 +134,6 @@ if LoraLayer is not None:
             super().__init__()
             LoraLayer.__init__(self, base_layer)
             self.fan_in_fan_out = False
-            if getattr(config, "fan_in_fan_out", False):
-                raise ValueError("fan_in_fan_out=True does not apply to NVFP4Linear (its weight is [out, in])")
             self._active_adapter = adapter_name
             self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
 
@@ -100,32 +146,10 @@ if LoraLayer is not None:
             return base_layer.weight_packed.device, base_layer.compute_dtype
 
         def resolve_lora_variant(self, *, config, **kwargs):
-            variants = [
-                ("use_dora", bool(getattr(config, "use_dora", False))),
-                ("alora_invocation_tokens", getattr(config, "alora_invocation_tokens", None) is not None),
-                ("arrow_config", getattr(config, "arrow_config", None) is not None),
-                ("velora_config", getattr(config, "velora_config", None) is not None),
-                ("use_bdlora", bool(getattr(config, "use_bdlora", False))),
-                ("monteclora_config", getattr(config, "monteclora_config", None) is not None),
-                ("kasa_config", getattr(config, "kasa_config", None) is not None),
-            ]
-            used = [name for name, on in variants if on]
-            if used:
-                raise ValueError(
-                    f"LoRA on NVFP4Linear supports plain LoRA only; {', '.join(used)} is not supported. "
-                    "Remove it from the LoraConfig."
-                )
-            return None
+            return None  # plain LoRA: update_layer's check_lora_config_for_nvfp4 has refused every variant
 
         def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs: Any) -> None:
-            init = config.init_lora_weights
-            if not any(init is ok or (isinstance(init, str) and init == ok) for ok in _SUPPORTED_INITS):
-                raise ValueError(
-                    f"init_lora_weights={init!r} needs a dense base weight, which an NVFP4 layer does not keep. "
-                    "Use True (default), False or 'gaussian'."
-                )
-            if getattr(config, "lora_bias", False):
-                raise ValueError("lora_bias=True needs merging into the base, which NVFP4 does not support")
+            check_lora_config_for_nvfp4(config)
             super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
 
         # -- merging (refused) ------------------------------------------------------------------------

@@ -54,6 +54,22 @@ def test_quantize_writes_nvfp4a16_checkpoint(tmp_path, capsys):
     assert "base_model_relation: quantized" in str(card)
 
 
+def test_quantize_summary_reports_layers_left_16bit(tmp_path, capsys):
+    """hidden_size 72: 12 of 14 projections cannot be packed; the summary and a warning say so."""
+    from conftest import tiny_model
+    from test_examples import tiny_tokenizer
+
+    src = tmp_path / "odd"
+    tok = tiny_tokenizer()
+    tiny_model("qwen2", vocab_size=len(tok), hidden_size=72, intermediate_size=128).save_pretrained(src)
+    tok.save_pretrained(src)
+    assert main(["quantize", str(src), str(tmp_path / "q")]) == 0
+    captured = capsys.readouterr()
+    assert "2 of 15 Linear layers in NVFP4; 16-bit: 12 in_features not a multiple of 16 (the NVFP4 block size); " \
+        "1 output embedding (lm_head), 16-bit by design." in captured.out
+    assert "warning: 12 of 15 Linear layers stay 16-bit: in_features not a multiple of 16" in captured.err
+
+
 def test_quantize_refuses_non_empty_out_dir(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("keep me")

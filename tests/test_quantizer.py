@@ -120,14 +120,51 @@ def test_quantizer_partial_fused_group_is_refused(tmp_path):
 
 def test_quantizer_in_features_not_multiple_of_16_stays_16bit(tmp_path, caplog):
     dense, path = _save_bf16(tmp_path, "qwen3", intermediate_size=72)  # down_proj has in_features 72
-    with caplog.at_level(logging.INFO, logger="qerl_trl.quantizer.conversion"):
+    with caplog.at_level(logging.WARNING, logger="qerl_trl.quantizer.conversion"):
         model = _load_nvfp4(path)
     down = model.model.layers[0].mlp.down_proj
     assert type(down) is nn.Linear and down.weight.dtype == torch.bfloat16
     torch.testing.assert_close(down.weight, dense.model.layers[0].mlp.down_proj.weight)
     assert type(model.model.layers[0].mlp.gate_proj) is NVFP4Linear
-    assert any("model.layers.0.mlp.down_proj" in r.getMessage() and "multiple of 16" in r.getMessage() for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    # one warning with the count and the reason; lm_head (16-bit by design) is not warned about
+    assert len(warnings) == 1, warnings
+    assert "2 of 15 Linear layers stay 16-bit: in_features not a multiple of 16" in warnings[0]
+    assert "model.layers.0.mlp.down_proj" in warnings[0]
     assert "model.layers.0.mlp.down_proj" in model.config.quantization_config["ignore"]
+    assert model.hf_quantizer.plan.kept["lm_head"] == "output embedding (lm_head), 16-bit by design"
+
+
+def test_quantizer_user_skips_are_not_warned_and_nothing_converted_is_an_error(tmp_path, caplog):
+    _, path = _save_bf16(tmp_path, "qwen2")
+    with caplog.at_level(logging.WARNING, logger="qerl_trl.quantizer.conversion"):
+        _load_nvfp4(path, modules_to_not_convert=["mlp"])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    _, odd = _save_bf16(tmp_path / "odd", "qwen2", hidden_size=72, intermediate_size=88)  # every in_features odd
+    want = r"no Linear to quantize.*all 15 stay 16-bit \(14 in_features not a multiple of 16 .*; 1 output"
+    with pytest.raises(ValueError, match=want):
+        _load_nvfp4(odd)
+
+
+def test_quantize_model_in_place_matches_quantize_on_load(tmp_path, caplog):
+    """quantize_model (a model instance) and from_pretrained(NVFP4Config) give the same packed tensors, the same
+    warnings and an NVFP4A16 quantization_config; the modules are replaced in the given object."""
+    from qerl_trl.quantizer import quantize_model
+
+    dense, path = _save_bf16(tmp_path, "qwen3", intermediate_size=72)
+    loaded = _load_nvfp4(path)
+    target = tiny_model("qwen3", intermediate_size=72)
+    with caplog.at_level(logging.WARNING, logger="qerl_trl.quantizer.conversion"):
+        plan = quantize_model(target)
+    assert any("2 of 15 Linear layers stay 16-bit" in r.getMessage() for r in caplog.records)
+    assert plan.kept == loaded.hf_quantizer.plan.kept
+    assert target.config.quantization_config == loaded.config.quantization_config
+    for name, m in loaded.named_modules():
+        if isinstance(m, NVFP4Linear):
+            mine = target.get_submodule(name)
+            assert isinstance(mine, NVFP4Linear) and not mine.weight_packed.requires_grad
+            for t in ("weight_packed", "weight_scale", "weight_global_scale"):
+                assert torch.equal(getattr(mine, t).view(torch.uint8), getattr(m, t).view(torch.uint8)), (name, t)
 
 
 def test_quantizer_refuses_moe(tmp_path):

@@ -6,9 +6,9 @@ quantization method, config or checkpoint kind is touched.
 
 from __future__ import annotations
 
-from .checkpoint import compressed_tensors_config, load_nvfp4, nvfp4a16_problems
+from .checkpoint import checkpoint_plan, compressed_tensors_config, load_nvfp4, nvfp4a16_problems
 from .config import DEFAULT_FUSED_GROUPS, QUANT_METHOD, NVFP4Config
-from .conversion import quantize_model
+from .in_place import quantize_model
 from .hf_quantizer import NVFP4HfQuantizer
 from . import compat
 
@@ -16,6 +16,7 @@ compat.register(NVFP4Config, NVFP4HfQuantizer, QUANT_METHOD)
 
 __all__ = [
     "DEFAULT_FUSED_GROUPS",
+    "checkpoint_plan",
     "NVFP4Config",
     "NVFP4HfQuantizer",
     "QUANT_METHOD",

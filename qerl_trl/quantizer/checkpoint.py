@@ -113,6 +113,40 @@ def packed_modules(checkpoint_files: Iterable[str | os.PathLike] | None) -> set[
     return names
 
 
+def checkpoint_plan(checkpoint_dir: str | os.PathLike, modules_to_not_convert: Iterable[str] | None = None):
+    """The ``ConversionPlan`` an NVFP4A16 checkpoint directory was written with, read back from its files.
+
+    Packed modules come from the safetensors headers; each module in the config's ``ignore`` list gets the
+    reason it stayed 16-bit (``conversion.keep_reason``; ``in_features`` from its ``.weight`` header). For
+    ``qerl-trl quantize``'s summary.
+    """
+    import json
+
+    from safetensors import safe_open
+
+    from .conversion import KEEP_FP32, ConversionPlan, keep_reason
+
+    root = os.fspath(checkpoint_dir)
+    with open(os.path.join(root, "config.json")) as f:
+        config = json.load(f)
+    ignore = list((config.get("quantization_config") or {}).get("ignore") or [])
+    files = sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".safetensors"))
+    in_features: dict[str, int] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as st:
+            for key in st.keys():
+                if key.endswith(".weight") and key[: -len(".weight")] in ignore:
+                    in_features[key[: -len(".weight")]] = st.get_slice(key).get_shape()[-1]
+    plan = ConversionPlan(groups={name: (name,) for name in sorted(packed_modules(files) or ())})
+    for name in ignore:
+        is_head = name == "lm_head" or name.endswith(".lm_head")
+        reason = keep_reason(
+            name, in_features.get(name, 0), output_embedding=is_head, modules_to_not_convert=modules_to_not_convert
+        )
+        plan.kept[name] = reason or KEEP_FP32  # 16-bit with a packable shape: the model class kept it
+    return plan
+
+
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..nvfp4 import NVFP4Linear
 from ..nvfp4 import format as nvfp4
+from .moe import refuse_moe_model
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +42,21 @@ def matches(name: str, patterns: Iterable[str] | None) -> bool:
 
 def check_supported(model: nn.Module) -> None:
     """Refuse models whose bulk is not in ``nn.Linear`` (MoE expert tensors, or no Linear at all)."""
-    experts = [n for n, p in model.named_parameters() if p.ndim == 3]
-    if experts:
-        raise NotImplementedError(
-            f"NVFP4Config quantizes dense nn.Linear layers only; {type(model).__name__} stores weights as 3-D "
-            f"tensors (mixture-of-experts, e.g. {experts[0]!r}) that would silently stay 16-bit. "
-            "Use a dense model (Llama, Qwen2, Qwen3, Mistral families)."
-        )
+    refuse_moe_model(model)
     if not any(isinstance(m, nn.Linear) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} has no nn.Linear layer to quantize to NVFP4.")
+
+
+#: why a Linear stays 16-bit (``ConversionPlan.kept``); the first two are the user's or the format's choice
+KEEP_USER = "named in modules_to_not_convert"
+KEEP_OUTPUT_EMBEDDING = "output embedding (lm_head), 16-bit by design"
+KEEP_CHECKPOINT = "stored 16-bit in the checkpoint"
+KEEP_FP32 = "kept in fp32 by the model class (_keep_in_fp32_modules)"
+KEEP_IN_FEATURES = f"in_features not a multiple of {nvfp4.BLOCK_SIZE} (the NVFP4 block size)"
+#: the order reasons are reported in: what needs attention first
+REASON_ORDER = (KEEP_IN_FEATURES, KEEP_FP32, KEEP_CHECKPOINT, KEEP_USER, KEEP_OUTPUT_EMBEDDING)
+#: reasons that are a choice (the user's, the checkpoint author's, QeRL's format): not warned about
+CHOSEN_REASONS = (KEEP_USER, KEEP_OUTPUT_EMBEDDING, KEEP_CHECKPOINT)
 
 
 @dataclass
@@ -57,11 +64,64 @@ class ConversionPlan:
     """Which Linears become NVFP4 (each with its fused group) and which stay 16-bit."""
 
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> its group (incl. itself)
-    kept: list[str] = field(default_factory=list)  # Linear modules left 16-bit (the checkpoint's `ignore`)
+    kept: dict[str, str] = field(default_factory=dict)  # Linear left 16-bit -> why (the checkpoint's `ignore`)
 
     @property
     def modules(self) -> list[str]:
         return list(self.groups)
+
+    def kept_by_reason(self, unchosen_only: bool = False) -> dict[str, list[str]]:
+        """Kept modules grouped by reason; ``unchosen_only`` drops the user's, the checkpoint's and lm_head."""
+        out: dict[str, list[str]] = {}
+        for name, reason in self.kept.items():
+            if not (unchosen_only and reason in CHOSEN_REASONS):
+                out.setdefault(reason, []).append(name)
+        return dict(sorted(out.items(), key=lambda kv: REASON_ORDER.index(kv[0])))
+
+    def unchosen_lines(self) -> list[str]:
+        """One line per reason a Linear stayed 16-bit that nobody chose: count, reason, first names."""
+        total = len(self.kept) + len(self.groups)
+        return [
+            f"{len(names)} of {total} Linear layers stay 16-bit: {reason} ({_first(names)}). "
+            "They train and serve unquantized."
+            for reason, names in self.kept_by_reason(unchosen_only=True).items()
+        ]
+
+    def summary(self) -> str:
+        """All Linears: how many are packed, and how many stay 16-bit for each reason."""
+        kept = "; ".join(f"{len(v)} {k}" for k, v in self.kept_by_reason().items()) or "none"
+        return f"{len(self.groups)} of {len(self.kept) + len(self.groups)} Linear layers in NVFP4; 16-bit: {kept}"
+
+    def warn_unchosen(self) -> None:
+        for line in self.unchosen_lines():
+            logger.warning("NVFP4: %s", line)
+
+
+def _first(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def keep_reason(
+    name: str,
+    in_features: int,
+    *,
+    output_embedding: bool,
+    modules_to_not_convert: Iterable[str] | None,
+    only: set[str] | None = None,
+    keep_fp32: Iterable[str] | None = None,
+) -> str | None:
+    """Why Linear ``name`` stays 16-bit (one of the ``KEEP_*`` reasons), or None when it is quantized."""
+    if output_embedding:
+        return KEEP_OUTPUT_EMBEDDING
+    if matches(name, modules_to_not_convert):
+        return KEEP_USER
+    if only is not None and name not in only:
+        return KEEP_CHECKPOINT
+    if matches(name, keep_fp32):
+        return KEEP_FP32
+    if in_features % nvfp4.BLOCK_SIZE:
+        return KEEP_IN_FEATURES
+    return None
 
 
 def plan_conversion(
@@ -69,35 +129,36 @@ def plan_conversion(
     modules_to_not_convert: Iterable[str] | None,
     fused_groups: Iterable[Iterable[str]],
     only: set[str] | None = None,
+    keep_fp32: Iterable[str] | None = None,
 ) -> ConversionPlan:
-    """Choose the Linears to quantize.
+    """Choose the Linears to quantize, and record why each other Linear stays 16-bit (``plan.kept``).
 
-    Skipped: the output embedding (``lm_head``), ``modules_to_not_convert``, and Linears whose in_features is
-    not a multiple of 16 (logged). ``only`` (pre-quantized checkpoints) restricts to the modules stored packed.
-    A fused group must be converted whole: a partly skipped q/k/v raises, since vLLM could not fuse it.
+    Kept: the output embedding (``lm_head``), ``modules_to_not_convert``, the model class's
+    ``_keep_in_fp32_modules`` (``keep_fp32``), Linears whose in_features is not a multiple of 16, and, for
+    pre-quantized checkpoints, modules not in ``only`` (those stored packed). A fused group must be converted
+    whole: a partly skipped q/k/v raises, since vLLM could not fuse it. Converting nothing raises.
     """
     check_supported(model)
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    skip = list(modules_to_not_convert or ())
     plan = ConversionPlan()
     converted: list[str] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if module is out_emb or matches(name, skip) or (only is not None and name not in only):
-            plan.kept.append(name)
-        elif module.in_features % nvfp4.BLOCK_SIZE:
-            logger.info(
-                "NVFP4: keeping %s in 16-bit: in_features=%d is not a multiple of %d",
-                name, module.in_features, nvfp4.BLOCK_SIZE,
-            )
-            plan.kept.append(name)
-        else:
+        reason = keep_reason(
+            name, module.in_features, output_embedding=module is out_emb,
+            modules_to_not_convert=modules_to_not_convert, only=only, keep_fp32=keep_fp32,
+        )  # fmt: skip
+        if reason is None:
             converted.append(name)
+        else:
+            plan.kept[name] = reason
     if not converted:
+        reasons = "; ".join(f"{len(v)} {k}" for k, v in plan.kept_by_reason().items())
         raise ValueError(
-            f"NVFP4Config found no Linear to quantize in {type(model).__name__} "
-            f"(all of {plan.kept} are skipped); check modules_to_not_convert."
+            f"NVFP4 found no Linear to quantize in {type(model).__name__}: all {len(plan.kept)} stay 16-bit "
+            f"({reasons}). Check modules_to_not_convert, or use a model whose hidden sizes are multiples of "
+            f"{nvfp4.BLOCK_SIZE}."
         )
     conv = set(converted)
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -196,27 +257,3 @@ def freeze_nvfp4(model: nn.Module) -> None:
         if isinstance(m, NVFP4Linear):
             for p in m.parameters(recurse=False):
                 p.requires_grad_(False)
-
-
-def quantize_model(model: nn.Module, config=None) -> nn.Module:
-    """Quantize an already-loaded 16-bit model in place (same rules and shared scales as loading with
-    ``NVFP4Config``). Prefer ``from_pretrained(..., quantization_config=NVFP4Config())``, which never holds the
-    whole 16-bit model; this is for models built in memory."""
-    from .config import NVFP4Config
-
-    config = config or NVFP4Config()
-    plan = plan_conversion(model, config.modules_to_not_convert, config.fused_groups)
-    done: set[str] = set()
-    for name, group in plan.groups.items():
-        if name in done:
-            continue
-        linears = {n: model.get_submodule(n) for n in group}
-        qs = quantize_group({n: m.weight.data for n, m in linears.items()})
-        for n, m in linears.items():
-            dtype = m.weight.dtype if m.weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-            new = NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta", dtype=dtype)
-            new.load_quantized(qs[n], bias=None if m.bias is None else m.bias.data.to(dtype))
-            parent, _, child = n.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, new)
-            done.add(n)
-    return model

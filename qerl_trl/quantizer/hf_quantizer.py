@@ -23,7 +23,14 @@ from ..nvfp4 import NVFP4Linear
 from . import compat
 from .checkpoint import compressed_tensors_config, packed_modules
 from .config import NVFP4Config
-from .conversion import ConversionPlan, GroupQuantizer, freeze_nvfp4, plan_conversion, replace_linears
+from .conversion import (
+    ConversionPlan,
+    GroupQuantizer,
+    freeze_nvfp4,
+    matches,
+    plan_conversion,
+    replace_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,21 +106,24 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
         cfg = self.quantization_config
         only = None
         skip = list(cfg.modules_to_not_convert or [])
-        skip += list(getattr(model, "_keep_in_fp32_modules", None) or [])
         if self.pre_quantized:
             only = packed_modules(checkpoint_files)
             if only is None:  # no safetensors headers to read: trust the checkpoint's ignore list
-                skip += list(cfg.checkpoint_ignore or [])
+                only = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+                only -= {n for n in only if matches(n, cfg.checkpoint_ignore)}
             else:
                 only = {n for n, _ in model.named_modules() if n in only or any(k.endswith("." + n) for k in only)}
-        self.plan = plan_conversion(model, skip, cfg.fused_groups, only=only)
+        keep_fp32 = getattr(model, "_keep_in_fp32_modules", None)
+        self.plan = plan_conversion(model, skip, cfg.fused_groups, only=only, keep_fp32=keep_fp32)
         self.group_quantizer = GroupQuantizer(self.plan)
         replace_linears(model, self.plan, self.dtype, placeholder=not self.pre_quantized)
+        kept = list(self.plan.kept)
         logger.info(
             "NVFP4: %d Linear layers %s, %d kept 16-bit (%s)",
             len(self.plan.groups), "loaded packed" if self.pre_quantized else "quantized on load",
-            len(self.plan.kept), ", ".join(self.plan.kept[:4]) + (" ..." if len(self.plan.kept) > 4 else ""),
+            len(kept), ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""),
         )
+        self.plan.warn_unchosen()
         return model
 
     def param_needs_quantization(self, model, param_name: str, **kwargs: Any) -> bool:

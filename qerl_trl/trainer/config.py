@@ -77,6 +77,8 @@ class QeRLGRPOConfig(GRPOConfig):
 
     > [!NOTE]
     > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
+    > Refused here, before any model loads (the policy is always a LoRA on a frozen NVFP4 base):
+    > `sync_ref_model=True`, `model_init_kwargs["quantization_config"]` and `vllm_mode="server"`.
     """
 
     learning_rate: float = field(
@@ -147,6 +149,7 @@ class QeRLGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self._refuse_options_an_always_on_lora_cannot_run()
         if self.aqn_apply_to not in ("rollout", "rollout_and_policy"):
             raise ValueError(
                 f"aqn_apply_to must be 'rollout' or 'rollout_and_policy', got {self.aqn_apply_to!r}."
@@ -164,6 +167,22 @@ class QeRLGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"QeRLGRPOTrainer serves the LoRA on the FP4 base in vLLM colocate mode only; got "
                 f"vllm_mode={self.vllm_mode!r}. Set vllm_mode='colocate' (or use_vllm=False)."
+            )
+
+    def _refuse_options_an_always_on_lora_cannot_run(self) -> None:
+        """GRPOConfig options that GRPOTrainer accepts but that fail (late) once a LoRA is on the model."""
+        if self.sync_ref_model:
+            raise ValueError(
+                "sync_ref_model=True cannot run in QeRL: the policy is always a LoRA on the frozen NVFP4 base, and "
+                "TRL does not synchronize a reference model under PEFT (GRPOTrainer raises NotImplementedError after "
+                "the model has loaded). With beta > 0 the reference is the NVFP4 base with the adapter disabled; "
+                "set sync_ref_model=False."
+            )
+        if "quantization_config" in (self.model_init_kwargs or {}):
+            raise ValueError(
+                "model_init_kwargs['quantization_config'] is not used: QeRLGRPOTrainer always loads the base through "
+                "NVFP4Config. Remove it, and set the NVFP4 options (e.g. nvfp4_modules_to_not_convert) on "
+                "QeRLGRPOConfig."
             )
 
     def default_lora_config(self):

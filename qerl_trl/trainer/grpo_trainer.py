@@ -2,8 +2,10 @@
 
 Overrides (TRL 1.16):
 
-* ``__init__``: loads a model id/path through ``NVFP4Config`` (a 16-bit checkpoint is quantized on load, an
-  NVFP4A16 one loads packed), applies the default LoRA when no ``peft_config`` is given, checks the LoRA can be
+* ``__init__``: takes every ``model=`` form TRL does (``model_forms``): loads a model id/path through
+  ``NVFP4Config`` (a 16-bit checkpoint is quantized on load, an NVFP4A16 one loads packed), quantizes a 16-bit
+  instance in place, keeps a PeftModel's LoRA on its quantized base; refuses what the NVFP4 base cannot run before
+  any weight is converted; applies the default LoRA when no ``peft_config`` is given, checks the LoRA can be
   served by vLLM, prepares the NVFP4A16 checkpoint vLLM serves, and lets ``GRPOTrainer.__init__`` build its vLLM
   backend as ``QeRLVLLMGeneration`` (see ``vllm_lora``), so only one engine is built.
 * ``_generate``: once per generation round, draws the round's AQN noise, pushes LoRA + noised norms to vLLM
@@ -27,7 +29,9 @@ from transformers import AutoConfig, PreTrainedModel
 from trl import GRPOTrainer
 
 from ..nvfp4 import NVFP4Linear
+from ..quantizer.moe import refuse_moe_config
 from .config import QeRLGRPOConfig
+from .model_forms import check_peft_model, has_nvfp4, quantize_instance, rewrap_peft_model, split_peft_model
 from .nvfp4_cache import checkpoint_key, ensure_cached_checkpoint, is_nvfp4a16_config
 
 logger = logging.getLogger(__name__)
@@ -39,9 +43,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 
 
 def check_architecture(config: Any, model_class_name: str | None = None) -> str:
-    """Return the architecture name, or raise a clear error naming an unsupported one."""
+    """Return the architecture name, or raise a clear error naming an unsupported one (a MoE one: the missing
+    parts, see ``quantizer.moe``)."""
     archs = list(getattr(config, "architectures", None) or [])
     arch = model_class_name or (archs[0] if archs else type(config).__name__)
+    refuse_moe_config(config, arch)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"QeRLGRPOTrainer does not support the architecture {arch!r}. Supported: "
@@ -75,12 +81,18 @@ def _nvfp4_fingerprint(model: nn.Module, n_layers: int = 4, n_bytes: int = 4096)
 class QeRLGRPOTrainer(GRPOTrainer):
     """Drop-in `GRPOTrainer` for QeRL: NVFP4 base + BF16 LoRA + AQN, vLLM colocate rollouts on the FP4 weights.
 
-    Args: those of [`trl.GRPOTrainer`]; ``model`` is a model id/path (loaded through ``NVFP4Config``) or an
-    already-NVFP4 ``PreTrainedModel`` (e.g. loaded with ``quantization_config=NVFP4Config()``), ``args`` a
-    [`QeRLGRPOConfig`]. Passing ``quantization_config`` is an error: the quantization options live in the config.
+    Args: those of [`trl.GRPOTrainer`]; ``model`` is any form TRL takes (see ``model_forms``): a model id/path
+    (loaded through ``NVFP4Config``), a 16-bit ``PreTrainedModel`` (quantized to NVFP4 in place), an NVFP4 one
+    (e.g. loaded with ``quantization_config=NVFP4Config()``), or a ``PeftModel`` (its LoRA is kept and its base
+    quantized); ``args`` a [`QeRLGRPOConfig`]. Passing ``quantization_config`` is an error: the quantization
+    options live in the config.
     """
 
     _tag_names = ["trl", "grpo", "qerl"]
+    # State read by the overridden methods, with TRL's behaviour as the default, so a trainer built without
+    # __init__ (as TRL's own white-box tests build GRPOTrainer) runs them as GRPOTrainer would.
+    aqn = None  #: the AQN callback; None: no noise
+    _rollout_guard = None  #: the rollout-policy check; None: off
 
     def __init__(
         self,
@@ -107,7 +119,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 f"QeRLGRPOTrainer needs a QeRLGRPOConfig, got {type(args).__name__}. Replace GRPOConfig(...) by "
                 "QeRLGRPOConfig(...) (same arguments)."
             )
-        if quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {}):
+        if quantization_config is not None:
             raise ValueError(
                 "QeRLGRPOTrainer always loads the base through NVFP4Config; do not pass quantization_config. "
                 "Set the NVFP4 options (e.g. nvfp4_modules_to_not_convert) on QeRLGRPOConfig."
@@ -119,12 +131,28 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
         source = model if isinstance(model, str) else None
         source_is_nvfp4 = False
+        split = None
+        if isinstance(model, PeftModel):  # everything is checked before anything is converted
+            if peft_config is not None:
+                raise ValueError(
+                    "You passed a PeftModel and a peft_config; pass one of them (the PeftModel's own LoRA is used)."
+                )
+            check_architecture(model.get_base_model().config, type(model.get_base_model()).__name__)
+            self._check_lora_early(check_peft_model(model)[1], args)
+            split = split_peft_model(model)
+            model, peft_config = split.base, split.lora_config
+        else:
+            peft_config = peft_config if peft_config is not None else args.default_lora_config()
+            self._check_lora_early(peft_config, args)
         if isinstance(model, str):
             from transformers.trainer_utils import set_seed
 
             set_seed(args.seed)
             model, source_is_nvfp4 = self._load_nvfp4_model(model, args)
-        self._check_policy(model)
+        else:
+            self._check_policy(model)
+            if not has_nvfp4(model):
+                quantize_instance(model, args.nvfp4_modules_to_not_convert)
 
         if processing_class is None:
             from transformers import AutoProcessor
@@ -136,9 +164,6 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 padding_side="left",
                 trust_remote_code=args.trust_remote_code,
             )
-
-        if peft_config is None and not isinstance(model, PeftModel):
-            peft_config = args.default_lora_config()
 
         # AQN (its targets are found on the base model, before PEFT wraps it)
         self.aqn = None
@@ -159,8 +184,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 vllm_max_lora_rank,
             )
 
-            lora_cfg = peft_config if peft_config is not None else model.peft_config["default"]
-            rank = check_lora_config_for_vllm(lora_cfg)
+            rank = check_lora_config_for_vllm(peft_config)
             qerl_lora = args.vllm_lora_backend == "qerl"  # any rank: no vLLM LoRA slots to pad to
             max_rank = rank if qerl_lora else vllm_max_lora_rank(rank, args.vllm_max_lora_rank)
             checkpoint = self._vllm_checkpoint(model, source, source_is_nvfp4, processing_class, args)
@@ -179,6 +203,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
             cls = make_qerl_vllm_generation_class()
             swap = swap_trl_vllm_generation(lambda *a, **kw: cls(*a, serving=spec, **kw))
 
+        if split is not None:  # the user's LoRA and tensors back on the NVFP4 base (TRL copies it as "ref" if beta>0)
+            model, peft_config = rewrap_peft_model(model, split), None
         if swap is None:
             super().__init__(
                 model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
@@ -207,6 +233,23 @@ class QeRLGRPOTrainer(GRPOTrainer):
             )
 
     # -- model loading ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_lora_early(lora_config, args: QeRLGRPOConfig) -> None:
+        """Refuse LoRA settings the NVFP4 base (or vLLM's serving of it) cannot run, before any weight loads."""
+        from ..peft_lora import check_lora_config_for_nvfp4
+
+        check_lora_config_for_nvfp4(lora_config)
+        targets = lora_config.target_modules
+        if isinstance(targets, (list, set, tuple)) and "lm_head" in targets:  # GRPOTrainer refuses it after loading
+            raise ValueError(
+                "LoRA on lm_head is never trained by GRPO (TRL computes log-probs from lm_head.weight directly): "
+                "remove 'lm_head' from target_modules."
+            )
+        if args.use_vllm:
+            from .vllm_lora import check_lora_config_for_vllm
+
+            check_lora_config_for_vllm(lora_config)
 
     @staticmethod
     def _load_nvfp4_model(model_id: str, args: QeRLGRPOConfig) -> tuple[PreTrainedModel, bool]:
@@ -239,11 +282,6 @@ class QeRLGRPOTrainer(GRPOTrainer):
     def _check_policy(model: nn.Module) -> None:
         base = _base_model(model)
         check_architecture(base.config, type(base).__name__)
-        if not any(isinstance(m, NVFP4Linear) for m in model.modules()):
-            raise ValueError(
-                "The model has no NVFP4 layers. Pass a model id/path to QeRLGRPOTrainer (it quantizes on load), or "
-                "load it with AutoModelForCausalLM.from_pretrained(..., quantization_config=qerl_trl.NVFP4Config())."
-            )
 
     @staticmethod
     def _vllm_checkpoint(model, source, source_is_nvfp4, processing_class, args) -> str:
@@ -264,13 +302,6 @@ class QeRLGRPOTrainer(GRPOTrainer):
             "modules_to_not_convert": args.nvfp4_modules_to_not_convert,
         }
         key = checkpoint_key(identity, options)
-        from peft import PeftModel
-
-        if isinstance(model, PeftModel):
-            raise ValueError(
-                "With use_vllm=True, pass the NVFP4 base model (not a PeftModel) and the LoRA as peft_config, so the "
-                "base checkpoint vLLM serves can be written without adapter layers."
-            )
 
         def write(tmp: str) -> None:
             base.save_pretrained(tmp)

@@ -1,0 +1,76 @@
+"""Why mixture-of-experts decoders are refused, named link by link (checked before any weight loads).
+
+QeRL on a MoE model needs four links; what each version does (read from their code, not assumed):
+
+1. vLLM 0.24.0 serves compressed-tensors NVFP4A16 experts on Hopper: ``CompressedTensorsMoEMethod.get_moe_method``
+   (``vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe.py``)
+   returns ``CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True)`` for NVFP4 weights without input quantization, and
+   ``select_nvfp4_moe_backend`` (``fused_moe/oracle/nvfp4.py``) falls through the FlashInfer/CUTLASS FP4 backends
+   to ``MARLIN`` (``MarlinExperts``, ``fused_moe/experts/marlin_moe.py``: CUDA capability >= 7.5, ``kNvfp4Static``
+   weights). Holds.
+2. vLLM 0.24.0 serves a LoRA on those experts: ``MarlinExperts`` mixes in ``LoRAExpertsMixin`` so
+   ``FusedMoEWithLoRA`` (``vllm/lora/layers/fused_moe.py``) accepts it; its ``Qwen3MoeForCausalLM`` has
+   ``is_3d_moe_weight = False``, so it loads per-expert adapters (``experts.<e>.gate_proj/up_proj/down_proj``).
+   Holds.
+3. transformers 5.17 (and 5.23) stores Qwen3-MoE / Mixtral experts as fused 3-D parameters
+   (``Qwen3MoeExperts.gate_up_proj`` [experts, 2*moe_intermediate, hidden] and ``down_proj`` [experts, hidden,
+   moe_intermediate]), not as ``nn.Linear``: our quantizer converts ``nn.Linear`` only and has no packed
+   3-D expert module. Missing.
+4. PEFT 0.21.2 reaches those tensors only through ``LoraConfig(target_parameters=[...])``, i.e. ``ParamWrapper``
+   (``peft/tuners/lora/layer.py``), which adds ``B @ A`` to the dense parameter through
+   ``torch.nn.utils.parametrize`` (``_LoraFactorsProxy`` / ``_LoraParameterProxy``): it needs a dense expert
+   tensor, which a packed NVFP4 base does not keep. A LoRA layer for packed expert stacks (as
+   ``NVFP4LoraLinear`` is for Linears), and the conversion of its 3-D adapter to vLLM's per-expert names, are
+   missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+#: config attributes that mark a mixture-of-experts decoder (Qwen2/3-MoE: num_experts; Mixtral: num_local_experts)
+_EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+MOE_MISSING = (
+    "vLLM 0.24 would serve NVFP4A16 experts on Hopper (CompressedTensorsW4A4Nvfp4MoEMethod with use_a16=True, "
+    "MarlinExperts backend) with a LoRA (FusedMoEWithLoRA), but two parts are missing: (1) qerl_trl's NVFP4 "
+    "quantizer converts nn.Linear only, and transformers 5.17 stores the experts as fused 3-D parameters "
+    "({example}), so they would stay 16-bit; (2) PEFT 0.21 puts LoRA on those parameters only through "
+    "target_parameters (peft.tuners.lora.layer.ParamWrapper), which adds B@A to the dense expert tensor, which a "
+    "packed NVFP4 base does not keep. Use a dense model (Llama, Qwen2, Qwen3, Mistral families)."
+)
+
+
+class MoENotSupportedError(NotImplementedError):
+    """A mixture-of-experts model was given; the message names the missing parts (see the module docstring)."""
+
+
+def moe_expert_count(config: Any) -> int:
+    """Number of routed experts a (text) config declares; 0 for a dense model."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for attr in _EXPERT_COUNT_ATTRS:
+        n = getattr(text, attr, None)
+        if isinstance(n, int) and n > 1:
+            return n
+    return 0
+
+
+def refuse_moe_config(config: Any, name: str) -> None:
+    """Raise :class:`MoENotSupportedError` for a MoE config (before any model or weight is built)."""
+    n = moe_expert_count(config)
+    if n:
+        raise MoENotSupportedError(
+            f"{name} is a mixture-of-experts model ({n} experts). "
+            + MOE_MISSING.format(example="e.g. mlp.experts.gate_up_proj")
+        )
+
+
+def refuse_moe_model(model: nn.Module) -> None:
+    """Raise :class:`MoENotSupportedError` for a model holding 3-D expert parameters (run on the meta model)."""
+    experts = [n for n, p in model.named_parameters() if p.ndim == 3]
+    if experts:
+        raise MoENotSupportedError(
+            f"{type(model).__name__} is a mixture-of-experts model. " + MOE_MISSING.format(example=repr(experts[0]))
+        )
