@@ -23,12 +23,12 @@ at once (wgmma on Hopper: ``HGMMA`` in the SASS), and no dense weight is ever wr
   true product than the reference's ``round(e2m1 · scale / global)``.
 
 **Status (measured, not yet on a product path).** On the H100 (``benchmarks/results/decode_linear-h100.json``, at
-ab98afc) a Qwen2.5 decoder layer's four linears take 0.71-0.84x Marlin's speed at 1-16 rows without a LoRA (7B:
-107 µs against 86 µs; 36-44% of HBM against Marlin's 44-59%), and 0.76-0.86x Marlin plus the two-launch LoRA pair
-with it; above 32 rows it falls further behind. Nsight Compute on the 7B gate/up at 16 rows: DRAM at 47% of peak,
-issue slots 62% busy, 5 programs (20 warps) per SM, limited by registers and shared memory: each step stores the
-dequantized tile to shared memory and loads it back in wgmma's operand layout, and converts the words' layout once
-more. The engine therefore keeps Marlin (``single_lora``); this kernel is the measured base for the next attempt.
+df7e5b9) a Qwen2.5 decoder layer's four linears take 0.68-0.84x Marlin's speed at 1-16 rows without a LoRA (7B:
+107-111 µs against 85-90 µs; 34-44% of HBM against Marlin's 44-59%), and 0.77-0.86x Marlin plus the two-launch LoRA
+pair with it; 0.92-1.05x that pair at 64-128 rows. Nsight Compute on the 7B gate/up at 16 rows (ab98afc): DRAM at
+47% of peak, issue slots 62% busy, 5 programs (20 warps) per SM, limited by registers and shared memory, about 6.5
+instructions per weight. The engine therefore keeps Marlin (``single_lora``); this kernel is the measured base for
+the next attempt.
 
 CUDA-graph capturable (fixed launch shapes per row count, state in per-layer buffers that end as they began), every
 constexpr a plain int or bool (vLLM's JIT hook JSON-serializes them), and :func:`nvfp4_lora_linear` is a
