@@ -26,8 +26,8 @@ at once (wgmma on Hopper: ``HGMMA`` in the SASS), and no dense weight is ever wr
 df7e5b9) a Qwen2.5 decoder layer's four linears take 0.68-0.84x Marlin's speed at 1-16 rows without a LoRA (7B:
 107-111 µs against 85-90 µs; 34-44% of HBM against Marlin's 44-59%), and 0.77-0.86x Marlin plus the two-launch LoRA
 pair with it; 0.92-1.05x that pair at 64-128 rows. Nsight Compute on the 7B gate/up at 16 rows (ab98afc): DRAM at
-47% of peak, issue slots 62% busy, 5 programs (20 warps) per SM, limited by registers and shared memory, about 6.5
-instructions per weight. The engine therefore keeps Marlin (``single_lora``); this kernel is the measured base for
+47% of peak, issue slots 62% busy, 5 programs (20 warps) per SM, limited by registers and shared memory; about 6.5
+instructions per weight (issue rate over weights read). The engine therefore keeps Marlin (``single_lora``); this kernel is the measured base for
 the next attempt.
 
 CUDA-graph capturable (fixed launch shapes per row count, state in per-layer buffers that end as they began), every
