@@ -9,12 +9,32 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 
+# uv (from PyPI) installs the three venvs in seconds where pip took about two minutes each, which kept CI near its
+# time limit; pip stays the fallback. The venvs are seeded with pip: the demo (which shares .venv) pip-downloads.
+if "$PY" -m uv --version >/dev/null 2>&1 || "$PY" -m pip install -q --user uv >/dev/null 2>&1; then
+  UV=("$PY" -m uv)
+else
+  UV=()
+  echo "uv unavailable: installing with pip (slower)" >&2
+fi
+FIND_LINKS=()  # a local directory of wheels (this workplace's CPU torch), as pip's own configuration names it
+[ -n "${PIP_FIND_LINKS:-}" ] && FIND_LINKS=(--find-links "$PIP_FIND_LINKS")
+
+install() {  # install DIR [pip install arguments...]
+  local dir="$1"; shift
+  if [ ${#UV[@]} -gt 0 ]; then
+    "${UV[@]}" pip install -q --python "$dir/bin/python" "${FIND_LINKS[@]}" "$@"
+  else
+    "$dir/bin/python" -m pip install -q "$@"
+  fi
+}
+
 setup_venv() {  # setup_venv DIR [extra pip requirements...]
   local dir="$1"; shift
-  [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
-  "$dir/bin/python" -m pip install -q --upgrade pip
-  "$dir/bin/python" -m pip install -q torch==2.13.0
-  "$dir/bin/python" -m pip install -q -e ".[test]" "$@"
+  if [ ! -x "$dir/bin/python" ]; then
+    if [ ${#UV[@]} -gt 0 ]; then "${UV[@]}" venv -q --seed --python "$PY" "$dir"; else "$PY" -m venv "$dir"; fi
+  fi
+  install "$dir" torch==2.13.0 -e ".[test]" "$@"
 }
 
 export TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -34,8 +54,8 @@ if [ "${QERL_SKIP_VLLM_CPU:-0}" != "1" ]; then
   setup_venv .venv-vllm
   # vLLM pins torch==2.11.0 (CUDA); its Python layers run on the CPU torch, so install it without its dependencies
   # and add what its imports (and TRL's, once vLLM is importable) need.
-  .venv-vllm/bin/python -m pip install -q --no-deps "vllm==0.24.0"
-  .venv-vllm/bin/python -m pip install -q cbor2 pyzmq aiohttp openai openai-harmony cloudpickle msgspec pybase64 \
+  install .venv-vllm --no-deps "vllm==0.24.0"
+  install .venv-vllm cbor2 pyzmq aiohttp openai openai-harmony cloudpickle msgspec pybase64 \
     cachetools uvloop py-cpuinfo prometheus_client "llguidance>=1.7.0,<1.8.0" "xgrammar>=0.2.1,<1.0.0" fastapi \
     partial_json_parser einops
   QERL_VLLM_ON_CPU=1 .venv-vllm/bin/python -m pytest -q -m vllm_on_cpu tests
