@@ -4,7 +4,8 @@
 
 What the single-LoRA vLLM path (``vllm_lora_backend="qerl"``) adds to each NVFP4 linear at decode, at Qwen2.5
 layer shapes, r=32, bf16. Each arm is timed as vLLM runs decode: one call per distinct copy of the layer's A and
-B, back to back inside one CUDA graph, replayed 100 times. The launch gaps are the graph's, not the host's. The
+B, back to back inside one CUDA graph, replayed (``decode_linear.graph_us``: the median of 5 timed batches).
+The launch gaps are the graph's, not the host's. The
 copies add up to 160 MB (at least 8 and at most 64 copies), so A and B mostly come from HBM, as in decode, where
 every other layer's weights evict them from the 50 MB L2.
 
@@ -28,39 +29,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks._common import write_result  # noqa: E402
+from benchmarks.decode_linear import SHAPES, graph_us  # noqa: E402
 from qerl_trl.vllm_plugin import lora_kernels as lk  # noqa: E402
 
-#: (packed sub-module output rows, input size) of each LoRA'd linear of one decoder layer
-SHAPES = {
-    "7b": {"qkv": ([3584, 512, 512], 3584), "o": ([3584], 3584), "gate_up": ([18944, 18944], 3584),
-           "down": ([3584], 18944)},
-    "32b": {"qkv": ([5120, 1024, 1024], 5120), "o": ([5120], 5120), "gate_up": ([27648, 27648], 5120),
-            "down": ([5120], 27648)},
-}  # fmt: skip
-LAYERS = {"7b": 28, "32b": 64}
-
-
-def graph_us(fns, replays: int = 100) -> float:
-    """Microseconds per call with ``fns`` (one call each) captured back to back in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns[:2]:
-            fn()  # compile / warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * len(fns))
+LAYERS = {"7b": 28, "14b": 48, "32b": 64}
 
 
 #: (variant, column block, K step) tried by ``--sweep``
@@ -85,7 +57,7 @@ def layer_copies(slot_rows: list[int], k: int, r: int, copies: int, dev: str, dt
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--sizes", nargs="*", default=["7b", "32b"], choices=list(SHAPES))
     ap.add_argument("--rows", nargs="*", type=int, default=[1, 8, 16, 64, 128])
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--sweep", action="store_true", help="time every kernel variant in SWEEP, not only the shipped one")

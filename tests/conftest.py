@@ -71,6 +71,24 @@ def smollm2_checkpoints(smollm2_gguf, tmp_path):
     return prepare_smollm2(cache)
 
 
+def packed_lora(slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, device: str, seed: int = 0,
+                b_scale: float = 1.0):
+    """A single-LoRA layer's stacked ``A``, block-diagonal ``B`` (random diagonal blocks times ``b_scale``, zeros
+    elsewhere) and slot bounds, for a vLLM linear packing ``len(slot_rows)`` sub-modules."""
+    from qerl_trl.vllm_plugin.lora_kernels import lora_slot_bounds
+
+    g = torch.Generator().manual_seed(seed)
+    s = len(slot_rows)
+    a = torch.randn(s * rank, k, generator=g) / k**0.5
+    b = torch.zeros(sum(slot_rows), s * rank)
+    starts, start = [], 0
+    for j, rows in enumerate(slot_rows):
+        b[start : start + rows, j * rank : (j + 1) * rank] = torch.randn(rows, rank, generator=g) * b_scale
+        starts.append(start)
+        start += rows
+    return a.to(device, dtype), b.to(device, dtype), lora_slot_bounds(starts, start, device)
+
+
 def has_cuda() -> bool:
     return torch.cuda.is_available()
 

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from conftest import packed_lora
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -31,17 +32,7 @@ def nvfp4(n: int, k: int, dtype: torch.dtype, seed: int = 0, global_scale: torch
 
 
 def lora(slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, seed: int = 1):
-    """A stacked ``A``, a block-diagonal ``B`` (random diagonal blocks, zeros elsewhere) and the slot bounds."""
-    g = torch.Generator().manual_seed(seed)
-    s = len(slot_rows)
-    a = torch.randn(s * rank, k, generator=g) / k**0.5
-    b = torch.zeros(sum(slot_rows), s * rank)
-    starts, start = [], 0
-    for j, rows in enumerate(slot_rows):
-        b[start : start + rows, j * rank : (j + 1) * rank] = torch.randn(rows, rank, generator=g) * 0.1
-        starts.append(start)
-        start += rows
-    return a.to(DEVICE, dtype), b.to(DEVICE, dtype), lora_slot_bounds(starts, start, DEVICE)
+    return packed_lora(slot_rows, k, rank, dtype, DEVICE, seed, b_scale=0.1)
 
 
 def want(x, q, a=None, b=None) -> torch.Tensor:

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from conftest import packed_lora
 
 from qerl_trl.vllm_plugin import lora_kernels
 from qerl_trl.vllm_plugin.lora_kernels import (
@@ -25,19 +26,7 @@ needs_kernel = pytest.mark.skipif(
 
 
 def layer(slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, seed: int = 0):
-    """A, a block-diagonal B (random diagonal blocks, zeros elsewhere) and the bounds of a layer packing
-    ``len(slot_rows)`` sub-modules."""
-    g = torch.Generator().manual_seed(seed)
-    s = len(slot_rows)
-    a = torch.randn(s * rank, k, generator=g) / k**0.5
-    b = torch.zeros(sum(slot_rows), s * rank)
-    starts, start = [], 0
-    for j, rows in enumerate(slot_rows):
-        b[start : start + rows, j * rank : (j + 1) * rank] = torch.randn(rows, rank, generator=g)
-        starts.append(start)
-        start += rows
-    bounds = lora_slot_bounds(starts, start, DEVICE)
-    return a.to(DEVICE, dtype), b.to(DEVICE, dtype), bounds
+    return packed_lora(slot_rows, k, rank, dtype, DEVICE, seed)
 
 
 def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x_stride_pad: int = 0,

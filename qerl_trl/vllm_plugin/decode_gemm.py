@@ -154,6 +154,17 @@ def _dequant_tile_quad(q, sg, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.const
 
 
 @triton.jit
+def _mma(acc, w, xv, UPCAST: tl.constexpr):
+    """``acc + w · xvᵀ`` (``w`` [BN, BK] weights, ``xv`` [BT, BK] tokens). The interpreter's 16-bit ``tl.dot`` is wrong
+    (Triton 3.6-3.9): fp32 there."""
+    if UPCAST:
+        acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(w, tl.trans(xv), acc)
+    return acc
+
+
+@triton.jit
 def _step_loads(q_ptrs, s_ptrs, x_ptrs, i, step0, K, nmask, tmask, wd, kk, BK: tl.constexpr, EVEN_K: tl.constexpr):
     """Step ``i`` of a program's K range: packed words [BN, BK/8], their scale bytes, the activations [BT, BK]. The
     pointers are step 0's; ``EVEN_K`` tiles need only the row masks, so the loads vectorize."""
@@ -195,11 +206,7 @@ def _decode_gemm_kernel(x_ptr, wq_ptr, ws_ptr, gs_ptr, t_ptr, b_ptr, bounds_ptr,
     acc = tl.zeros((BN, BT), dtype=tl.float32)
     for i in range(n_steps):
         q, sc, xv = _step_loads(q_ptrs, s_ptrs, x_ptrs, i, step0, K, nmask, tmask, wd, kk, BK, EVEN_K)
-        w = _dequant_tile(q, sc, BN, BK, MODE)
-        if UPCAST:  # the interpreter's 16-bit tl.dot is wrong (Triton 3.6-3.9): fp32 there
-            acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(xv), acc)
+        acc = _mma(acc, _dequant_tile(q, sc, BN, BK, MODE), xv, UPCAST)
     _finish(acc, gs_ptr, t_ptr, b_ptr, bounds_ptr, sem_ptr, p_ptr, y_ptr, M, N, stride_ym, stride_bn, R, SPLITS,
             BN, BT, SPLIT_K, MODE, HAS_LORA, S, RANK, RP, UPCAST)
 
@@ -228,10 +235,7 @@ def _decode_gemm_tma_kernel(x_desc, q_desc, s_desc, gs_ptr, t_ptr, b_ptr, bounds
             w = _dequant_tile_quad(q, sg, BN, BK, MODE)
         else:
             w = _dequant_tile(q, tl.reshape(tl.join(sg, sg), (BN, BK // 8)), BN, BK, MODE)  # word 2g+j: scale g
-        if UPCAST:
-            acc += tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(xv), acc)
+        acc = _mma(acc, w, xv, UPCAST)
     _finish(acc, gs_ptr, t_ptr, b_ptr, bounds_ptr, sem_ptr, p_ptr, y_ptr, M, N, stride_ym, stride_bn, R, SPLITS,
             BN, BT, SPLIT_K, MODE, HAS_LORA, S, RANK, RP, UPCAST)
 
