@@ -14,91 +14,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
-__all__ = ["main", "quantize_checkpoint"]
+__all__ = ["build_parser", "main"]
 
 
 # ---------------------------------------------------------------------------------------------------- quantize
 
 
-def quantize_checkpoint(
-    model: str,
-    out_dir: str | os.PathLike,
-    *,
-    modules_to_not_convert: list[str] | None = None,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    gguf_file: str | None = None,
-    max_shard_size: str = "5GB",
-) -> Path:
-    """Quantize a 16-bit checkpoint to an NVFP4A16 compressed-tensors checkpoint in ``out_dir``; return it.
-
-    transformers loads the checkpoint through ``NVFP4Config``, which quantizes each Linear as its weights are
-    read (so peak memory is about one layer in 16 bits plus the packed model; the loader's progress bar shows
-    the layers), then ``save_pretrained`` writes the packed tensors and the tokenizer is copied alongside.
-    A ``gguf_file`` (inside ``model``) is first dequantized to a temporary 16-bit checkpoint.
-    """
-    import tempfile
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from .quantizer import NVFP4Config
-
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty: choose a new OUT_DIR (nothing was overwritten).")
-    with tempfile.TemporaryDirectory(prefix="qerl-gguf-") as tmp:
-        src = model
-        if gguf_file:
-            src = gguf_to_16bit(model, gguf_file, tmp)
-        config = AutoConfig.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
-        qc = getattr(config, "quantization_config", None)
-        if qc is not None:
-            method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
-            raise ValueError(
-                f"{model} is already quantized ({method}); `qerl-trl quantize` needs a 16-bit (bf16/fp16/fp32) "
-                "checkpoint."
-            )
-        qmodel = AutoModelForCausalLM.from_pretrained(
-            src,
-            quantization_config=NVFP4Config(modules_to_not_convert=modules_to_not_convert),
-            dtype=torch.bfloat16,
-            revision=revision,
-            trust_remote_code=trust_remote_code,
-        )
-        out.mkdir(parents=True, exist_ok=True)
-        qmodel.save_pretrained(str(out), max_shard_size=max_shard_size)
-        tokenizer = AutoTokenizer.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
-        tokenizer.save_pretrained(str(out))
-    return out
-
-
-def gguf_to_16bit(model_dir: str, gguf_file: str, out_dir: str | os.PathLike) -> str:
-    """Dequantize a GGUF file into a bf16 transformers checkpoint (weights + tokenizer) in ``out_dir``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs: dict[str, Any] = {}
-    try:  # transformers >= 5.2x keeps GGUF blocks packed unless asked to dequantize; older ones always dequantize
-        from transformers import GgufConfig
-
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:
-        pass
-    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.bfloat16, **kwargs)
-    if getattr(model, "hf_quantizer", None) is not None:  # a plain dense model is what we save
-        model.hf_quantizer = None
-        model.config.quantization_config = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-    model.save_pretrained(str(out_dir))
-    AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file).save_pretrained(str(out_dir))
-    return str(out_dir)
-
-
 def _cmd_quantize(args: argparse.Namespace) -> int:
+    from .quantizer import checkpoint_plan, quantize_checkpoint
+
     out = quantize_checkpoint(
         args.model,
         args.out_dir,
@@ -108,8 +33,6 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         gguf_file=args.gguf_file,
         max_shard_size=args.max_shard_size,
     )
-    from .quantizer import checkpoint_plan
-
     size = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9
     plan = checkpoint_plan(out, args.modules_to_not_convert)
     print(f"NVFP4A16 checkpoint written to {out} ({size:.2f} GB of weights): {plan.summary()}.")
@@ -227,7 +150,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_compare(rest: list[str]) -> int:
     from transformers import HfArgumentParser
 
-    from .learning import LearningConfig, run_comparison
+    from .study.runner import run_comparison
+    from .study.spec import LearningConfig
 
     parser = HfArgumentParser(LearningConfig, prog="qerl-trl compare", description=_COMPARE_HELP)
     (cfg,) = parser.parse_args_into_dataclasses(args=rest)
@@ -337,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "compare",
         help="BF16 LoRA vs NVFP4 LoRA vs NVFP4 LoRA + AQN learning curves over seeds (the paper's learning claims).",
-        description=_COMPARE_HELP + " Every option of qerl_trl.learning.LearningConfig is a flag: "
+        description=_COMPARE_HELP + " Every option of qerl_trl.study.spec.LearningConfig is a flag: "
         "`qerl-trl compare --help-options` lists them.",
         add_help=False,
     )

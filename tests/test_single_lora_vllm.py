@@ -299,7 +299,7 @@ def test_vllm_resolves_the_quantization_method_and_its_lora_spec(tmp_path):
     from vllm.config import LoadConfig, ModelConfig
     from vllm.model_executor.model_loader.weight_utils import get_quant_config
 
-    from qerl_trl.cli import quantize_checkpoint
+    from qerl_trl.quantizer import quantize_checkpoint
     from qerl_trl.vllm_plugin import LORA_KEY, QUANT_NAME, lora_quantization_overrides, register
     from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
 
