@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
+from typing import Any
+
+from .scripts import SCRIPTS
 
 __all__ = ["build_parser", "main"]
 
@@ -46,40 +48,47 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    """Run the example script matching the recipe (GSM8K -> GRPO script, otherwise the BigMath/DAPO script)."""
-    import importlib.util
+    """Run the packaged script matching the recipe (GSM8K -> GRPO script, otherwise the BigMath/DAPO script)."""
+    import importlib
 
     import yaml
 
     config = Path(args.config)
     if not config.is_file():
-        raise FileNotFoundError(f"Recipe {config} not found. Recipes ship in examples/recipes/*.yaml.")
+        raise FileNotFoundError(
+            f"Recipe {config} not found. Recipes ship in the repository's examples/recipes/*.yaml; any YAML of "
+            "QeRLGRPOConfig / script options works."
+        )
     recipe = yaml.safe_load(config.read_text()) or {}
     script = args.script
     if script is None:
         name = str(recipe.get("dataset_name") or "")
         script = "grpo_gsm8k" if "gsm8k" in name.lower() or "gsm8k" in config.name.lower() else "dapo_bigmath"
-    path = _examples_dir() / f"{script}.py"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: `qerl-trl train` runs the example scripts of a source checkout "
-            "(git clone the repository and `pip install -e .`)."
-        )
-    spec = importlib.util.spec_from_file_location(f"qerl_example_{script}", path)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
+    module = importlib.import_module(f"qerl_trl.scripts.{script}")
     script_args, training_args = module.make_parser().parse_args_and_config(
         args=["--config", str(config), *rest]
     )
+    if args.dry_run:
+        print(_dry_run_report(script, script_args, training_args, recipe, rest))
+        return 0
     module.main(script_args, training_args)
     return 0
 
 
-def _examples_dir() -> Path:
-    env = os.environ.get("QERL_TRL_EXAMPLES")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "examples"
+def _dry_run_report(script: str, script_args: Any, training_args: Any, recipe: dict, rest: list[str]) -> str:
+    """What ``train`` would run: the script, its arguments, and the training options the recipe and the command
+    line set, as parsed (so a typo'd value shows up here, before any model loads)."""
+    import dataclasses
+    import json
+
+    names = [*recipe, *(a[2:].split("=", 1)[0].replace("-", "_") for a in rest if a.startswith("--"))]
+    options = {n: getattr(training_args, n) for n in dict.fromkeys(names) if hasattr(training_args, n)}
+    return "\n".join([
+        f"qerl-trl train would run qerl_trl.scripts.{script} (nothing was loaded or trained):",
+        f"script arguments: {json.dumps(dataclasses.asdict(script_args), default=str)}",
+        f"{type(training_args).__name__} options from the recipe and the command line: "
+        f"{json.dumps(options, default=str)}",
+    ])  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------------- push
@@ -204,17 +213,22 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train",
         help="Run QeRL GRPO/DAPO training from a YAML recipe.",
-        description="Run the GRPO (GSM8K) or DAPO (BigMath) example with a YAML recipe; any further "
-        "--option value pairs override the recipe (every QeRLGRPOConfig / GRPOConfig option). For several GPUs, "
+        description="Run the GRPO (GSM8K) or DAPO (BigMath) training script of qerl_trl.scripts with a YAML recipe; "
+        "any further --option value pairs override the recipe (every QeRLGRPOConfig / GRPOConfig option). For several GPUs, "
         "launch it with accelerate: `accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml "
-        "examples/grpo_gsm8k.py --config RECIPE`.",
+        "examples/grpo_gsm8k.py --config RECIPE` (or `accelerate launch -m qerl_trl.scripts.grpo_gsm8k`).",
     )
     t.add_argument("--config", required=True, help="Recipe YAML (e.g. examples/recipes/qwen2.5-7b_gsm8k.yaml).")
     t.add_argument(
         "--script",
-        choices=["grpo_gsm8k", "dapo_bigmath"],
+        choices=SCRIPTS,
         default=None,
-        help="Example script to run (default: grpo_gsm8k for GSM8K recipes, dapo_bigmath otherwise).",
+        help="Training script to run (default: grpo_gsm8k for GSM8K recipes, dapo_bigmath otherwise).",
+    )
+    t.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Parse the recipe and overrides, print what would run, and exit without loading a model.",
     )
 
     pu = sub.add_parser(
