@@ -306,7 +306,7 @@ def test_vllm_resolves_the_quantization_method_and_its_lora_spec(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from qerl_trl.quantizer.checkpoint import load_nvfp4
-    from qerl_trl.trainer.vllm_lora import single_lora_engine_kwargs
+    from qerl_trl.trainer.vllm_serving import single_lora_engine_kwargs
 
     register()
     ckpt = tmp_path / "nvfp4"
