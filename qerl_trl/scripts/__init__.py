@@ -4,7 +4,8 @@
   ``make_parser()`` (a ``TrlParser``: a YAML recipe plus command-line overrides) and ``main(script_args,
   training_args)``; run one with ``qerl-trl train --config RECIPE``, ``python -m qerl_trl.scripts.grpo_gsm8k``, or
   ``accelerate launch examples/grpo_gsm8k.py`` (a short copy-friendly entry point of a source checkout).
-- :mod:`.inputs`: what both read (a dataset split, reward functions by name).
+- :mod:`.inputs`: what both read (a dataset split, reward functions by name); :mod:`.training`: the run both end
+  with (train, save the adapter, push).
 """
 
 #: The scripts ``qerl-trl train --script`` can run, by module name.

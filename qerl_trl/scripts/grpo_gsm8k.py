@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from trl import ScriptArguments, TrlParser
 
 from ..trainer import QeRLGRPOConfig
-from .inputs import load_split, resolve_rewards
+from .inputs import load_train_split
+from .training import train_and_save
 
 SYSTEM_PROMPT = (
     "Solve the math problem step by step. At the end, write the final answer as a number after '####', "
@@ -76,27 +77,8 @@ def make_gsm8k_prompts(dataset, system_prompt: str):
 
 
 def main(script_args: GSM8KScriptArguments, training_args: QeRLGRPOConfig):
-    from ..trainer import QeRLGRPOTrainer
-
-    if not script_args.model_name_or_path:
-        raise ValueError("Pass --model_name_or_path (or set model_name_or_path in the recipe).")
-    train = load_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
-    if script_args.max_train_samples:
-        train = train.select(range(min(script_args.max_train_samples, len(train))))
-    train = make_gsm8k_prompts(train, script_args.system_prompt)
-
-    trainer = QeRLGRPOTrainer(
-        model=script_args.model_name_or_path,
-        reward_funcs=resolve_rewards(script_args.reward_funcs),
-        args=training_args,
-        train_dataset=train,
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"LoRA adapter saved to {training_args.output_dir}")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    return trainer
+    train = make_gsm8k_prompts(load_train_split(script_args), script_args.system_prompt)
+    return train_and_save(script_args, training_args, train)
 
 
 def make_parser():

@@ -4,8 +4,9 @@ line or in a recipe."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
-__all__ = ["load_split", "resolve_rewards"]
+__all__ = ["load_split", "load_train_split", "resolve_rewards"]
 
 
 def load_split(name: str, config: str | None, split: str):
@@ -39,3 +40,14 @@ def resolve_rewards(names: list[str]):
         else:
             raise ValueError(f"Unknown reward function {name!r}: use one of {rewards.__all__} or a dotted path.")
     return out
+
+
+def load_train_split(script_args: Any):
+    """The script's training split (``dataset_name``, ``dataset_config``, ``dataset_train_split``), cut to
+    ``max_train_samples`` if set; refuses a missing model first, before any data is read."""
+    if not script_args.model_name_or_path:
+        raise ValueError("Pass --model_name_or_path (or set model_name_or_path in the recipe).")
+    train = load_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+    if script_args.max_train_samples:
+        train = train.select(range(min(script_args.max_train_samples, len(train))))
+    return train
