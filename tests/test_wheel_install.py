@@ -8,6 +8,7 @@ directory are not processed, so this checkout's editable install stays out and `
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -29,7 +30,10 @@ def wheel_venv(tmp_path_factory) -> Path:
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "qerl_trl", src / "qerl_trl", ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)], check=True)
+    # the build backend from this venv when it has one (a uv-seeded venv on Python >= 3.12 has no setuptools);
+    # otherwise pip fetches it into an isolated build environment
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    subprocess.run([*pip, "wheel", "--no-deps", *isolation, "-w", str(tmp / "dist"), str(src)], check=True)
     (wheel,) = (tmp / "dist").glob("qerl_trl-*.whl")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
