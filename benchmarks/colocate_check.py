@@ -6,7 +6,7 @@ A short GRPO run (use_vllm=True, vllm_mode="colocate") that checks, on the GPU m
    within a stated tolerance, and differ from the base model's (the adapter really is served; the LoRA B
    matrices are perturbed first so the adapter is far from zero);
 2. AQN noise is present in vLLM's norm weights at the scheduled σ (realized std within 10%) and absent at stage 0
-   (norm weights kept float32 inside vLLM, see qerl_trl/trainer/vllm_lora.py);
+   (norm weights kept float32 inside vLLM, see qerl_trl/trainer/vllm_serving/fp32_norms.py);
 3. the engine's quantized linears run vLLM's Marlin NVFP4 kernel;
 4. TRL's importance-sampling ratio stays near 1;
 plus step times, LoRA sync seconds, rollout tokens/s and peak GPU memory.

@@ -1,6 +1,6 @@
 """Learning dynamics on a real model: BF16 LoRA vs NVFP4 LoRA vs NVFP4 LoRA + AQN (issue #16).
 
-Runs :func:`qerl_trl.learning.run_comparison` (the ``qerl-trl compare`` command) with the study's settings and
+Runs :func:`qerl_trl.study.runner.run_comparison` (the ``qerl-trl compare`` command) with the study's settings and
 writes ``benchmarks/results/learning-<gpu>.json`` (one row per run: its per-step reward, entropy, completion
 length, AQN σ and wall time, and its held-out accuracy at each evaluation; plus the per-claim summary) and
 ``learning-<gpu>.png`` (reward and entropy per step, mean over seeds with their spread, one colour per arm).
@@ -56,16 +56,15 @@ def mark_invalid(runs: list[dict], marks: list[str]) -> None:
 def main(argv: list[str] | None = None) -> str:
     from transformers import HfArgumentParser
 
-    from qerl_trl.learning import LearningConfig, run_comparison
-    from qerl_trl.learning_report import format_summary, load_runs, plot_curves, summarize
+    from qerl_trl.study.report import format_summary, load_runs, plot_curves, summarize
+    from qerl_trl.study.runner import run_comparison, run_specs
+    from qerl_trl.study.spec import LearningConfig
 
     parser = HfArgumentParser((LearningConfig, ReportArgs))
     cfg, rep = parser.parse_args_into_dataclasses(args=argv)
     if (rep.invalid or rep.envelope_from) and not rep.report_only:
         parser.error("--invalid and --envelope_from go with --report_only")
     if rep.report_only:
-        from qerl_trl.learning import run_specs
-
         work = Path(cfg.output_dir).resolve()
         runs = load_runs(work, run_specs(cfg, "", ""))
         mark_invalid(runs, rep.invalid)

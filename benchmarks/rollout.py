@@ -84,10 +84,10 @@ def random_lora(config, r: int, seed: int = 0) -> dict:
 
 def write_random_adapter(path: str, config, r: int, seed: int = 0) -> str:
     """:func:`random_lora` as a PEFT adapter (``lora_alpha = 2r``), written in the layout QeRL hands to vLLM's LoRA
-    path (``qerl_trl.trainer.vllm_lora.write_adapter_dir``)."""
+    path (``qerl_trl.trainer.vllm_serving.write_adapter_dir``)."""
     from peft import LoraConfig
 
-    from qerl_trl.trainer.vllm_lora import write_adapter_dir
+    from qerl_trl.trainer.vllm_serving import write_adapter_dir
 
     tensors = {}
     for name, (a, b) in random_lora(config, r, seed).items():
@@ -103,7 +103,7 @@ def qerl_lora_engine_kwargs(checkpoint: str, r: int) -> dict:
     """``LLM(...)`` arguments of the ``nvfp4_qerl_lora`` arm: QeRL's method with a rank-``r`` LoRA on every linear."""
     from qerl_trl.vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
 
-    from qerl_trl.trainer.vllm_lora import compile_cache_marker
+    from qerl_trl.trainer.vllm_serving import compile_cache_marker
 
     register(strict=True)
     with open(os.path.join(checkpoint, "config.json")) as f:

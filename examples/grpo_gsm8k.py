@@ -1,9 +1,8 @@
 # Copyright 2025 qerl-trl developers. Licensed under the Apache License, Version 2.0.
-"""GRPO on GSM8K with QeRL: NVFP4 base + BF16 LoRA + Adaptive Quantization Noise (the paper's GSM8K setting).
+"""GRPO on GSM8K with QeRL: NVFP4 base + BF16 LoRA + Adaptive Quantization Noise.
 
-The same script as TRL's GRPO example with two names changed (``QeRLGRPOConfig``, ``QeRLGRPOTrainer``).
-
-One GPU (Qwen2.5-7B-Instruct, the paper's 7B recipe; vLLM colocate rollouts on the FP4 weights):
+The script lives in the package (:mod:`qerl_trl.scripts.grpo_gsm8k`, what ``qerl-trl train`` runs);
+this file is its entry point for ``accelerate launch``. One GPU:
 
     accelerate launch --config_file examples/accelerate_configs/single_gpu.yaml \\
         examples/grpo_gsm8k.py --config examples/recipes/qwen2.5-7b_gsm8k.yaml
@@ -13,125 +12,12 @@ Several GPUs on one host (DDP; each rank runs its own colocated vLLM engine):
     accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml --num_processes 4 \\
         examples/grpo_gsm8k.py --config examples/recipes/qwen2.5-7b_gsm8k.yaml
 
-Any option of the recipe can be overridden on the command line (``--learning_rate 2e-5``). The dataset is
-``openai/gsm8k`` by default; ``--dataset_name`` also takes a local ``.json``/``.jsonl``/``.parquet``/``.csv``
-file or directory with GSM8K's columns ``question`` and ``answer`` (``"... #### 42"``).
+Any option of the recipe can be overridden on the command line (``--learning_rate 2e-5``); ``--help`` lists them.
+To change the data or the rewards, copy :mod:`qerl_trl.scripts.grpo_gsm8k` (about 100 lines: TRL's GRPO
+script with ``QeRLGRPOConfig``/``QeRLGRPOTrainer`` in place of ``GRPOConfig``/``GRPOTrainer``).
 """
 
-from __future__ import annotations
-
-import os
-from dataclasses import dataclass, field
-
-from trl import ScriptArguments, TrlParser
-
-from qerl_trl import QeRLGRPOConfig
-
-SYSTEM_PROMPT = (
-    "Solve the math problem step by step. At the end, write the final answer as a number after '####', "
-    "for example: #### 42"
-)
-
-
-@dataclass
-class GSM8KScriptArguments(ScriptArguments):
-    """Script arguments for QeRL GRPO on GSM8K (TRL's `ScriptArguments` plus the prompt and reward options).
-
-    Args:
-        model_name_or_path: a 16-bit checkpoint (quantized to NVFP4 on load) or an NVFP4A16 one.
-        system_prompt: system message put before each question; empty string for none.
-        reward_funcs: reward functions from `qerl_trl.rewards` (by name) or dotted import paths.
-        max_train_samples: keep only the first N training examples (quick runs).
-    """
-
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Model id or path: a 16-bit checkpoint or an NVFP4A16 one."}
-    )
-    dataset_name: str | None = field(
-        default="openai/gsm8k",
-        metadata={"help": "Hub dataset id, or a local .json/.jsonl/.parquet/.csv file or directory."},
-    )
-    dataset_config: str | None = field(default="main", metadata={"help": "Dataset configuration name."})
-    system_prompt: str = field(default=SYSTEM_PROMPT, metadata={"help": "System prompt ('' for none)."})
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["gsm8k_accuracy_reward", "format_reward"],
-        metadata={"help": "Reward functions: names in qerl_trl.rewards or dotted import paths."},
-    )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N examples."})
-
-
-def load_split(name: str, config: str | None, split: str):
-    """A Hub dataset split, or a local data file/directory (its only split, whatever ``split`` says)."""
-    from datasets import load_dataset
-
-    if os.path.isfile(name):
-        ext = name.rsplit(".", 1)[-1].lower()
-        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
-        if builder is None:
-            raise ValueError(f"Unsupported local dataset file {name!r}: use .json, .jsonl, .parquet or .csv.")
-        return load_dataset(builder, data_files=name, split="train")
-    if os.path.isdir(name):
-        return load_dataset(name, split=split if split else "train")
-    return load_dataset(name, config, split=split)
-
-
-def resolve_rewards(names: list[str]):
-    import importlib
-
-    from qerl_trl import rewards
-
-    out = []
-    for name in names:
-        if hasattr(rewards, name):
-            out.append(getattr(rewards, name))
-        elif "." in name:
-            module, attr = name.rsplit(".", 1)
-            out.append(getattr(importlib.import_module(module), attr))
-        else:
-            raise ValueError(f"Unknown reward function {name!r}: use one of {rewards.__all__} or a dotted path.")
-    return out
-
-
-def make_gsm8k_prompts(dataset, system_prompt: str):
-    missing = {"question", "answer"} - set(dataset.column_names)
-    if missing:
-        raise ValueError(f"GSM8K data needs columns 'question' and 'answer'; missing {sorted(missing)}.")
-
-    def to_prompt(example):
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": example["question"]})
-        return {"prompt": messages}
-
-    return dataset.map(to_prompt)
-
-
-def main(script_args: GSM8KScriptArguments, training_args: QeRLGRPOConfig):
-    from qerl_trl import QeRLGRPOTrainer
-
-    if not script_args.model_name_or_path:
-        raise ValueError("Pass --model_name_or_path (or set model_name_or_path in the recipe).")
-    train = load_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
-    if script_args.max_train_samples:
-        train = train.select(range(min(script_args.max_train_samples, len(train))))
-    train = make_gsm8k_prompts(train, script_args.system_prompt)
-
-    trainer = QeRLGRPOTrainer(
-        model=script_args.model_name_or_path,
-        reward_funcs=resolve_rewards(script_args.reward_funcs),
-        args=training_args,
-        train_dataset=train,
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"LoRA adapter saved to {training_args.output_dir}")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    return trainer
-
-
-def make_parser():
-    return TrlParser((GSM8KScriptArguments, QeRLGRPOConfig))
-
+from qerl_trl.scripts.grpo_gsm8k import main, make_parser
 
 if __name__ == "__main__":
     script_args, training_args = make_parser().parse_args_and_config()

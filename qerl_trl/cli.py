@@ -11,94 +11,21 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "quantize_checkpoint"]
+from .scripts import SCRIPTS
+
+__all__ = ["build_parser", "main"]
 
 
 # ---------------------------------------------------------------------------------------------------- quantize
 
 
-def quantize_checkpoint(
-    model: str,
-    out_dir: str | os.PathLike,
-    *,
-    modules_to_not_convert: list[str] | None = None,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    gguf_file: str | None = None,
-    max_shard_size: str = "5GB",
-) -> Path:
-    """Quantize a 16-bit checkpoint to an NVFP4A16 compressed-tensors checkpoint in ``out_dir``; return it.
-
-    transformers loads the checkpoint through ``NVFP4Config``, which quantizes each Linear as its weights are
-    read (so peak memory is about one layer in 16 bits plus the packed model; the loader's progress bar shows
-    the layers), then ``save_pretrained`` writes the packed tensors and the tokenizer is copied alongside.
-    A ``gguf_file`` (inside ``model``) is first dequantized to a temporary 16-bit checkpoint.
-    """
-    import tempfile
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from .quantizer import NVFP4Config
-
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty: choose a new OUT_DIR (nothing was overwritten).")
-    with tempfile.TemporaryDirectory(prefix="qerl-gguf-") as tmp:
-        src = model
-        if gguf_file:
-            src = gguf_to_16bit(model, gguf_file, tmp)
-        config = AutoConfig.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
-        qc = getattr(config, "quantization_config", None)
-        if qc is not None:
-            method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
-            raise ValueError(
-                f"{model} is already quantized ({method}); `qerl-trl quantize` needs a 16-bit (bf16/fp16/fp32) "
-                "checkpoint."
-            )
-        qmodel = AutoModelForCausalLM.from_pretrained(
-            src,
-            quantization_config=NVFP4Config(modules_to_not_convert=modules_to_not_convert),
-            dtype=torch.bfloat16,
-            revision=revision,
-            trust_remote_code=trust_remote_code,
-        )
-        out.mkdir(parents=True, exist_ok=True)
-        qmodel.save_pretrained(str(out), max_shard_size=max_shard_size)
-        tokenizer = AutoTokenizer.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
-        tokenizer.save_pretrained(str(out))
-    return out
-
-
-def gguf_to_16bit(model_dir: str, gguf_file: str, out_dir: str | os.PathLike) -> str:
-    """Dequantize a GGUF file into a bf16 transformers checkpoint (weights + tokenizer) in ``out_dir``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs: dict[str, Any] = {}
-    try:  # transformers >= 5.2x keeps GGUF blocks packed unless asked to dequantize; older ones always dequantize
-        from transformers import GgufConfig
-
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:
-        pass
-    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.bfloat16, **kwargs)
-    if getattr(model, "hf_quantizer", None) is not None:  # a plain dense model is what we save
-        model.hf_quantizer = None
-        model.config.quantization_config = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-    model.save_pretrained(str(out_dir))
-    AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file).save_pretrained(str(out_dir))
-    return str(out_dir)
-
-
 def _cmd_quantize(args: argparse.Namespace) -> int:
+    from .quantizer import checkpoint_plan, quantize_checkpoint
+
     out = quantize_checkpoint(
         args.model,
         args.out_dir,
@@ -108,8 +35,6 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         gguf_file=args.gguf_file,
         max_shard_size=args.max_shard_size,
     )
-    from .quantizer import checkpoint_plan
-
     size = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9
     plan = checkpoint_plan(out, args.modules_to_not_convert)
     print(f"NVFP4A16 checkpoint written to {out} ({size:.2f} GB of weights): {plan.summary()}.")
@@ -123,40 +48,47 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    """Run the example script matching the recipe (GSM8K -> GRPO script, otherwise the BigMath/DAPO script)."""
-    import importlib.util
+    """Run the packaged script matching the recipe (GSM8K -> GRPO script, otherwise the BigMath/DAPO script)."""
+    import importlib
 
     import yaml
 
     config = Path(args.config)
     if not config.is_file():
-        raise FileNotFoundError(f"Recipe {config} not found. Recipes ship in examples/recipes/*.yaml.")
+        raise FileNotFoundError(
+            f"Recipe {config} not found. Recipes ship in the repository's examples/recipes/*.yaml; any YAML of "
+            "QeRLGRPOConfig / script options works."
+        )
     recipe = yaml.safe_load(config.read_text()) or {}
     script = args.script
     if script is None:
         name = str(recipe.get("dataset_name") or "")
         script = "grpo_gsm8k" if "gsm8k" in name.lower() or "gsm8k" in config.name.lower() else "dapo_bigmath"
-    path = _examples_dir() / f"{script}.py"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: `qerl-trl train` runs the example scripts of a source checkout "
-            "(git clone the repository and `pip install -e .`)."
-        )
-    spec = importlib.util.spec_from_file_location(f"qerl_example_{script}", path)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
+    module = importlib.import_module(f"qerl_trl.scripts.{script}")
     script_args, training_args = module.make_parser().parse_args_and_config(
         args=["--config", str(config), *rest]
     )
+    if args.dry_run:
+        print(_dry_run_report(script, script_args, training_args, recipe, rest))
+        return 0
     module.main(script_args, training_args)
     return 0
 
 
-def _examples_dir() -> Path:
-    env = os.environ.get("QERL_TRL_EXAMPLES")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "examples"
+def _dry_run_report(script: str, script_args: Any, training_args: Any, recipe: dict, rest: list[str]) -> str:
+    """What ``train`` would run: the script, its arguments, and the training options the recipe and the command
+    line set, as parsed (so a typo'd value shows up here, before any model loads)."""
+    import dataclasses
+    import json
+
+    names = [*recipe, *(a[2:].split("=", 1)[0].replace("-", "_") for a in rest if a.startswith("--"))]
+    options = {n: getattr(training_args, n) for n in dict.fromkeys(names) if hasattr(training_args, n)}
+    return "\n".join([
+        f"qerl-trl train would run qerl_trl.scripts.{script} (nothing was loaded or trained):",
+        f"script arguments: {json.dumps(dataclasses.asdict(script_args), default=str)}",
+        f"{type(training_args).__name__} options from the recipe and the command line: "
+        f"{json.dumps(options, default=str)}",
+    ])  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------------- push
@@ -227,7 +159,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_compare(rest: list[str]) -> int:
     from transformers import HfArgumentParser
 
-    from .learning import LearningConfig, run_comparison
+    from .study.runner import run_comparison
+    from .study.spec import LearningConfig
 
     parser = HfArgumentParser(LearningConfig, prog="qerl-trl compare", description=_COMPARE_HELP)
     (cfg,) = parser.parse_args_into_dataclasses(args=rest)
@@ -280,17 +213,22 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train",
         help="Run QeRL GRPO/DAPO training from a YAML recipe.",
-        description="Run the GRPO (GSM8K) or DAPO (BigMath) example with a YAML recipe; any further "
-        "--option value pairs override the recipe (every QeRLGRPOConfig / GRPOConfig option). For several GPUs, "
+        description="Run the GRPO (GSM8K) or DAPO (BigMath) training script of qerl_trl.scripts with a YAML recipe; "
+        "any further --option value pairs override the recipe (every QeRLGRPOConfig / GRPOConfig option). For several GPUs, "
         "launch it with accelerate: `accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml "
-        "examples/grpo_gsm8k.py --config RECIPE`.",
+        "examples/grpo_gsm8k.py --config RECIPE` (or `accelerate launch -m qerl_trl.scripts.grpo_gsm8k`).",
     )
     t.add_argument("--config", required=True, help="Recipe YAML (e.g. examples/recipes/qwen2.5-7b_gsm8k.yaml).")
     t.add_argument(
         "--script",
-        choices=["grpo_gsm8k", "dapo_bigmath"],
+        choices=SCRIPTS,
         default=None,
-        help="Example script to run (default: grpo_gsm8k for GSM8K recipes, dapo_bigmath otherwise).",
+        help="Training script to run (default: grpo_gsm8k for GSM8K recipes, dapo_bigmath otherwise).",
+    )
+    t.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Parse the recipe and overrides, print what would run, and exit without loading a model.",
     )
 
     pu = sub.add_parser(
@@ -337,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "compare",
         help="BF16 LoRA vs NVFP4 LoRA vs NVFP4 LoRA + AQN learning curves over seeds (the paper's learning claims).",
-        description=_COMPARE_HELP + " Every option of qerl_trl.learning.LearningConfig is a flag: "
+        description=_COMPARE_HELP + " Every option of qerl_trl.study.spec.LearningConfig is a flag: "
         "`qerl-trl compare --help-options` lists them.",
         add_help=False,
     )

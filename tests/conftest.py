@@ -60,10 +60,10 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture
 def smollm2_checkpoints(smollm2_gguf, tmp_path):
-    """``(bf16_dir, nvfp4_dir)`` of SmolLM2, made from the GGUF by the demo's own ``prepare_smollm2``."""
+    """``(bf16_dir, nvfp4_dir)`` of SmolLM2, made from the GGUF by ``qerl_trl.smollm2.prepare_smollm2`` (the demo's)."""
     import shutil
 
-    from qerl_trl.demo import GGUF_MEMBER, prepare_smollm2
+    from qerl_trl.smollm2 import GGUF_MEMBER, prepare_smollm2
 
     cache = tmp_path / "smollm2"
     (cache / GGUF_MEMBER).parent.mkdir(parents=True)

@@ -42,7 +42,7 @@ def main() -> None:
 
     from benchmarks.multi_gpu import attach_rank_recorder
     from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
-    from qerl_trl.arithmetic import TASKS
+    from qerl_trl.study.tasks import TASKS
 
     cuda = torch.cuda.is_available() and a.use_vllm
     args = QeRLGRPOConfig(

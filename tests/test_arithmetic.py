@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qerl_trl.arithmetic import TASKS, ArithmeticTask
+from qerl_trl.study.tasks import TASKS, ArithmeticTask
 from qerl_trl.rewards import number_reward
 
 

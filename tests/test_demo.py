@@ -34,10 +34,10 @@ def test_demo_runs_on_tiny_model(tmp_path):
 def test_fetch_uses_cached_gguf_without_network(tmp_path, monkeypatch):
     import subprocess
 
-    from qerl_trl import demo
+    from qerl_trl import smollm2
 
-    target = tmp_path / demo.GGUF_MEMBER
+    target = tmp_path / smollm2.GGUF_MEMBER
     target.parent.mkdir(parents=True)
     target.write_bytes(b"GGUF")
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("must not download when cached"))
-    assert demo.fetch_smollm2(tmp_path) == target.parent
+    assert smollm2.fetch_smollm2(tmp_path) == target.parent

@@ -1,7 +1,9 @@
-"""The TRL-style example scripts run end to end offline on a tiny model (use_vllm=False, a few steps)."""
+"""The training scripts (``qerl_trl.scripts``, run by ``qerl-trl train`` and by ``examples/*.py``) run end to end
+offline on a tiny model (use_vllm=False, a few steps); the recipes parse into them."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import sys
@@ -48,7 +50,13 @@ def gsm8k_rows(n: int = 8):
             for a, b in zip(range(1, n + 1), range(2, n + 2))]
 
 
+def load_script(name: str):
+    """The packaged training script ``qerl_trl.scripts.<name>``."""
+    return importlib.import_module(f"qerl_trl.scripts.{name}")
+
+
 def load_example(name: str):
+    """``examples/<name>.py`` as a module (it is not importable by name)."""
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
@@ -81,7 +89,7 @@ def _check_run(trainer, out: Path):
 def test_grpo_gsm8k_runs_offline_with_local_jsonl(tmp_path, tiny_dir):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in gsm8k_rows()))
-    ex = load_example("grpo_gsm8k")
+    ex = load_script("grpo_gsm8k")
     out = tmp_path / "out"
     script_args, training_args = ex.make_parser().parse_args_and_config(
         args=["--model_name_or_path", str(tiny_dir), "--dataset_name", str(data), "--output_dir", str(out), *CPU_ARGS]
@@ -99,7 +107,7 @@ def test_dapo_bigmath_runs_offline_with_recipe_and_parquet(tmp_path, tiny_dir):
 
     data = tmp_path / "bigmath.parquet"
     Dataset.from_list([{"prompt": f"Compute {a}*2.", "solution": str(2 * a)} for a in range(8)]).to_parquet(str(data))
-    ex = load_example("dapo_bigmath")
+    ex = load_script("dapo_bigmath")
     out = tmp_path / "out"
     recipe = ROOT / "examples" / "recipes" / "qwen2.5-3b_bigmath.yaml"
     script_args, training_args = ex.make_parser().parse_args_and_config(
@@ -117,18 +125,19 @@ def test_dapo_bigmath_runs_offline_with_recipe_and_parquet(tmp_path, tiny_dir):
 def test_bad_dataset_columns_are_a_clear_error():
     from datasets import Dataset
 
-    ex = load_example("grpo_gsm8k")
+    ex = load_script("grpo_gsm8k")
     with pytest.raises(ValueError, match="question"):
         ex.make_gsm8k_prompts(Dataset.from_list([{"problem": "x", "answer": "1"}]), "sys")
-    ex2 = load_example("dapo_bigmath")
+    ex2 = load_script("dapo_bigmath")
     with pytest.raises(ValueError, match="prompt"):
         ex2.make_bigmath_prompts(Dataset.from_list([{"text": "x"}]), "sys", 100)
 
 
 def test_unknown_reward_is_a_clear_error():
-    ex = load_example("grpo_gsm8k")
+    from qerl_trl.scripts.inputs import resolve_rewards
+
     with pytest.raises(ValueError, match="Unknown reward"):
-        ex.resolve_rewards(["no_such_reward"])
+        resolve_rewards(["no_such_reward"])
 
 
 RECIPES = sorted((EXAMPLES / "recipes").glob("*.yaml"))
@@ -140,7 +149,7 @@ def test_recipes_parse_into_the_example_configs(recipe):
 
     raw = yaml.safe_load(recipe.read_text())
     name = "grpo_gsm8k" if "gsm8k" in recipe.stem else "dapo_bigmath"
-    ex = load_example(name)
+    ex = load_script(name)
     script_args, training_args = ex.make_parser().parse_args_and_config(
         args=["--config", str(recipe), "--use_cpu", "true", "--bf16", "false"]
     )
@@ -163,7 +172,9 @@ def test_accelerate_configs():
 
 
 @pytest.mark.parametrize("name", ["grpo_gsm8k", "dapo_bigmath"])
-def test_docstring_gives_accelerate_launch(name):
-    doc = load_example(name).__doc__
-    assert "accelerate launch --config_file examples/accelerate_configs/single_gpu.yaml" in doc
-    assert f"examples/{name}.py --config examples/recipes/" in doc
+def test_examples_launch_the_packaged_scripts(name):
+    example = load_example(name)
+    assert "accelerate launch --config_file examples/accelerate_configs/single_gpu.yaml" in example.__doc__
+    assert f"examples/{name}.py --config examples/recipes/" in example.__doc__
+    script = load_script(name)  # the example is the package's script, not a copy
+    assert example.main is script.main and example.make_parser is script.make_parser

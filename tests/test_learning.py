@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from qerl_trl.learning import ARMS, LearningConfig
-from qerl_trl.learning_report import summarize, verdict
+from qerl_trl.study.report import summarize, verdict
+from qerl_trl.study.spec import ARMS, LearningConfig
 
 
 def test_config_rejects_bad_input_with_what_to_do():
@@ -85,7 +85,7 @@ def test_cli_compare_bad_arm_is_a_clear_error(capsys):
 def test_compare_runs_every_arm_as_a_child_process_and_resumes(tmp_path):
     from test_examples import tiny_checkpoint
 
-    from qerl_trl.learning import run_comparison
+    from qerl_trl.study.runner import run_comparison
 
     src = tiny_checkpoint(tmp_path / "tiny")
     cfg = LearningConfig(
@@ -126,7 +126,7 @@ def test_compare_runs_every_arm_as_a_child_process_and_resumes(tmp_path):
 def test_a_failing_run_is_kept_as_a_row_and_the_rest_go_on(tmp_path):
     from test_examples import tiny_checkpoint
 
-    from qerl_trl.learning import run_comparison
+    from qerl_trl.study.runner import run_comparison
 
     src = tiny_checkpoint(tmp_path / "tiny")
     cfg = LearningConfig(
@@ -148,7 +148,7 @@ def test_a_failing_run_is_kept_as_a_row_and_the_rest_go_on(tmp_path):
 
 
 def test_child_runs_do_not_inherit_the_parents_distributed_rendezvous():
-    from qerl_trl.learning import child_env
+    from qerl_trl.study.runner import child_env
 
     parent = {"PATH": "/bin", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "1",
               "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "16"}  # fmt: skip
@@ -203,7 +203,7 @@ def test_benchmark_report_marks_invalid_runs_and_keeps_the_gpu_provenance(tmp_pa
 def test_compare_runs_on_a_users_dataset_file_with_chat_prompts(tmp_path):
     from test_examples import gsm8k_rows, tiny_checkpoint
 
-    from qerl_trl.learning import build_datasets, run_comparison
+    from qerl_trl.study.runner import build_datasets, run_comparison
 
     rows = gsm8k_rows(12)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))

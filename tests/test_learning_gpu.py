@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 
 def test_compare_three_arms_share_one_gpu_on_smollm2(tmp_path, smollm2_checkpoints):
-    from qerl_trl.learning import ARMS, LearningConfig, run_comparison
+    from qerl_trl.study.runner import run_comparison
+    from qerl_trl.study.spec import ARMS, LearningConfig
 
     bf16, nvfp4 = smollm2_checkpoints
     cfg = LearningConfig(

@@ -299,14 +299,14 @@ def test_vllm_resolves_the_quantization_method_and_its_lora_spec(tmp_path):
     from vllm.config import LoadConfig, ModelConfig
     from vllm.model_executor.model_loader.weight_utils import get_quant_config
 
-    from qerl_trl.cli import quantize_checkpoint
+    from qerl_trl.quantizer import quantize_checkpoint
     from qerl_trl.vllm_plugin import LORA_KEY, QUANT_NAME, lora_quantization_overrides, register
     from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
 
     from peft import LoraConfig, get_peft_model
 
     from qerl_trl.quantizer.checkpoint import load_nvfp4
-    from qerl_trl.trainer.vllm_lora import single_lora_engine_kwargs
+    from qerl_trl.trainer.vllm_serving import single_lora_engine_kwargs
 
     register()
     ckpt = tmp_path / "nvfp4"

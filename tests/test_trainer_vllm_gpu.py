@@ -20,7 +20,7 @@ def test_colocate_vllm_lora_aqn_marlin(tmp_path, smollm2_gguf, lora_backend):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "colocate_check.py"), "--gguf", smollm2_gguf,
            "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out)]  # fmt: skip
-    from qerl_trl.learning import child_env
+    from qerl_trl.study.runner import child_env
 
     # a fresh single-process job, whatever this process ran before (no inherited torch.distributed rendezvous)
     env = {**child_env(os.environ, os.cpu_count() or 1), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

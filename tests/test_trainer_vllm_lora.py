@@ -1,4 +1,4 @@
-"""CPU tests of the pure parts of qerl_trl.trainer.vllm_lora (vLLM itself is exercised on the GPU machine)."""
+"""CPU tests of the pure parts of qerl_trl.trainer.vllm_serving (vLLM itself is exercised on the GPU machine)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
-from qerl_trl.trainer import vllm_lora as vl
+from qerl_trl.trainer import vllm_serving as vl
 from tests.conftest import tiny_model
 
 
@@ -176,7 +176,7 @@ def test_swap_trl_vllm_generation_restores():
 def test_compile_cache_marker_separates_fp32_norm_engines():
     # vLLM hashes additional_config into its torch.compile cache key: fp32-norm engines get a key of their own that
     # depends on the set of norms, not their order; bf16-norm engines get a fixed one
-    from qerl_trl.trainer import vllm_lora as vl
+    from qerl_trl.trainer import vllm_serving as vl
 
     assert vl.compile_cache_marker([]) == {"qerl_fp32_norms": "none"}
     a = vl.compile_cache_marker(["model.norm.weight", "model.layers.0.input_layernorm.weight"])
@@ -281,3 +281,79 @@ def test_vllm_plugin_entry_point_never_breaks_an_engine_start(monkeypatch, caplo
     assert "could not register" in caplog.text
     with pytest.raises(ImportError, match="no vLLM here"):
         plugin.register(strict=True)
+
+
+def _no_gather_calls():
+    import contextlib
+
+    seen = []
+
+    @contextlib.contextmanager
+    def gather(params):
+        seen.append(len(params))
+        yield
+
+    return gather, seen
+
+
+def test_adapter_backend_pushes_one_adapter_per_sync_and_clears_it(tmp_path, monkeypatch):
+    """vllm_lora_backend="vllm": engine arguments, a LoRARequest per sync (the older one removed), and clear."""
+    import types
+
+    class LoRARequest:
+        def __init__(self, lora_name, lora_int_id, lora_path):
+            self.lora_int_id, self.lora_path = lora_int_id, lora_path
+
+    fake_vllm = types.ModuleType("vllm.lora.request")
+    fake_vllm.LoRARequest = LoRARequest
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", fake_vllm)
+    loaded = []
+
+    class Engine:
+        def add_lora(self, request):  # vLLM reads the files now; they are deleted right after
+            loaded.append(sorted(p.name for p in __import__("pathlib").Path(request.lora_path).iterdir()))
+
+        def remove_lora(self, lora_id):
+            loaded.append(("removed", lora_id))
+
+    model, _ = _peft_tiny(r=8)
+    spec = vl.VLLMServingSpec(checkpoint="ckpt", tokenizer="ckpt", max_lora_rank=8, lora_sync_dir=str(tmp_path))
+    backend = vl.LORA_BACKENDS["vllm"](spec)
+    assert isinstance(backend, vl.AdapterLoRABackend) and backend.uses_lora_request
+    assert backend.engine_kwargs(model) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "max_cpu_loras": 2}
+    backend.attach(types.SimpleNamespace(llm_engine=Engine()))
+    gather, seen = _no_gather_calls()
+    first = backend.sync(model, gather)
+    second = backend.sync(model, gather)
+    assert (first.lora_int_id, second.lora_int_id) == (1, 2) and seen == [2 * 7 * 2] * 2
+    files = ["adapter_config.json", "adapter_model.safetensors"]
+    assert loaded == [files, ("removed", 1), files] and list(tmp_path.iterdir()) == []
+    assert backend.clear() == 1 and loaded[-1] == ("removed", 2) and backend.clear() == 0
+
+
+def test_in_layer_backend_pushes_into_the_layers_and_clear_zeroes_them(monkeypatch):
+    """vllm_lora_backend="qerl": the LoRA copied in place while gathered; clear pushes nothing and resets the cache."""
+    import types
+
+    pushes = []
+    fake_single = types.ModuleType("qerl_trl.vllm_plugin.single_lora")
+    fake_single.push_lora_in_place = lambda model, adapters, scaling: pushes.append((sorted(adapters), scaling)) or len(adapters)
+    monkeypatch.setitem(sys.modules, "qerl_trl.vllm_plugin.single_lora", fake_single)
+    calls = []
+
+    class LLM:
+        def apply_model(self, fn):
+            return [fn("engine model")]
+
+        def reset_prefix_cache(self):
+            calls.append("reset")
+
+    model, _ = _peft_tiny(r=8)
+    backend = vl.LORA_BACKENDS["qerl"](vl.VLLMServingSpec(checkpoint="ckpt", tokenizer="ckpt", max_lora_rank=8))
+    assert isinstance(backend, vl.InLayerLoRABackend) and not backend.uses_lora_request
+    backend.attach(LLM())
+    gather, seen = _no_gather_calls()
+    assert backend.sync(model, gather) is None and seen == [2 * 7 * 2]
+    (names, scaling), = pushes
+    assert len(names) == 2 * 7 and "model.layers.0.self_attn.q_proj" in names and scaling == 2.0
+    assert backend.clear() == 0 and pushes[-1] == ([], 1.0) and calls == ["reset"]

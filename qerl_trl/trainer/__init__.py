@@ -1,4 +1,4 @@
-"""QeRL's GRPO trainer: `QeRLGRPOConfig` / `QeRLGRPOTrainer` (vLLM internals live in `vllm_lora`, imported lazily)."""
+"""QeRL's GRPO trainer: `QeRLGRPOConfig` / `QeRLGRPOTrainer` (vLLM internals live in `vllm_serving`, imported lazily)."""
 
 from .config import QeRLGRPOConfig
 from .grpo_trainer import SUPPORTED_ARCHITECTURES, QeRLGRPOTrainer

@@ -7,7 +7,7 @@ Overrides (TRL 1.16):
   instance in place, keeps a PeftModel's LoRA on its quantized base; refuses what the NVFP4 base cannot run before
   any weight is converted; applies the default LoRA when no ``peft_config`` is given, checks the LoRA can be
   served by vLLM, prepares the NVFP4A16 checkpoint vLLM serves, and lets ``GRPOTrainer.__init__`` build its vLLM
-  backend as ``QeRLVLLMGeneration`` (see ``vllm_lora``), so only one engine is built.
+  backend as ``QeRLVLLMGeneration`` (see ``vllm_serving``), so only one engine is built.
 * ``_generate``: once per generation round, draws the round's AQN noise, pushes LoRA + noised norms to vLLM
   (or applies the noise to the HF model when generating without vLLM), generates with TRL's code, restores the
   clean norms and logs ``aqn/sigma``, ``aqn/stage``, rollout tokens/s, LoRA sync seconds and peak GPU memory.
@@ -125,7 +125,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 "Set the NVFP4 options (e.g. nvfp4_modules_to_not_convert) on QeRLGRPOConfig."
             )
         if args.use_vllm:
-            from .vllm_lora import require_vllm
+            from .vllm_serving import require_vllm
 
             require_vllm()
 
@@ -176,7 +176,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
         swap = None
         if args.use_vllm:
-            from .vllm_lora import (
+            from .vllm_serving import (
                 VLLMServingSpec,
                 check_lora_config_for_vllm,
                 make_qerl_vllm_generation_class,
@@ -247,7 +247,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 "remove 'lm_head' from target_modules."
             )
         if args.use_vllm:
-            from .vllm_lora import check_lora_config_for_vllm
+            from .vllm_serving import check_lora_config_for_vllm
 
             check_lora_config_for_vllm(lora_config)
 

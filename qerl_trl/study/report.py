@@ -1,6 +1,6 @@
 """The learning comparison's report: per-run metrics, a verdict per claim paired by seed, the summary and the plot.
 
-Reads what :mod:`qerl_trl.learning` records (``runs/<run>.jsonl``); needs no GPU, so a study run elsewhere can be
+Reads what :mod:`qerl_trl.study.runner` records (``runs/<run>.jsonl``); needs no GPU, so a study run elsewhere can be
 reported here again (``benchmarks/learning.py --report_only``).
 """
 
@@ -9,12 +9,9 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .learning import STEP_KEYS, read_records
-
-if TYPE_CHECKING:
-    from .learning import LearningConfig, RunSpec
+from .spec import STEP_KEYS, LearningConfig, RunSpec, read_records
 
 __all__ = ["CLAIMS", "format_summary", "load_runs", "plot_curves", "run_metrics", "summarize", "verdict"]
 

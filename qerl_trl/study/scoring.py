@@ -29,7 +29,7 @@ def greedy_accuracy(
     """
     import torch
 
-    from .rewards import number_reward
+    from ..rewards import number_reward
 
     reward_func = reward_func or number_reward
     was_training = model.training

@@ -1,0 +1,90 @@
+"""Checkpoint conversion on disk: a 16-bit (or GGUF) checkpoint -> an NVFP4A16 compressed-tensors checkpoint.
+
+What ``qerl-trl quantize`` runs, and what the demo and the comparison study call to make their NVFP4 bases. It
+loads through :class:`~qerl_trl.quantizer.NVFP4Config` (one Linear at a time) and writes with transformers'
+``save_pretrained``, so the result is exactly what :func:`~qerl_trl.quantizer.load_nvfp4` and vLLM read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["gguf_to_16bit", "quantize_checkpoint"]
+
+
+def quantize_checkpoint(
+    model: str,
+    out_dir: str | os.PathLike,
+    *,
+    modules_to_not_convert: list[str] | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    gguf_file: str | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Quantize a 16-bit checkpoint to an NVFP4A16 compressed-tensors checkpoint in ``out_dir``; return it.
+
+    transformers loads the checkpoint through ``NVFP4Config``, which quantizes each Linear as its weights are
+    read (so peak memory is about one layer in 16 bits plus the packed model; the loader's progress bar shows
+    the layers), then ``save_pretrained`` writes the packed tensors and the tokenizer is copied alongside.
+    A ``gguf_file`` (inside ``model``) is first dequantized to a temporary 16-bit checkpoint.
+    """
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .config import NVFP4Config
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: choose a new OUT_DIR (nothing was overwritten).")
+    with tempfile.TemporaryDirectory(prefix="qerl-gguf-") as tmp:
+        src = model
+        if gguf_file:
+            src = gguf_to_16bit(model, gguf_file, tmp)
+        config = AutoConfig.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
+        qc = getattr(config, "quantization_config", None)
+        if qc is not None:
+            method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
+            raise ValueError(
+                f"{model} is already quantized ({method}); `qerl-trl quantize` needs a 16-bit (bf16/fp16/fp32) "
+                "checkpoint."
+            )
+        qmodel = AutoModelForCausalLM.from_pretrained(
+            src,
+            quantization_config=NVFP4Config(modules_to_not_convert=modules_to_not_convert),
+            dtype=torch.bfloat16,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        qmodel.save_pretrained(str(out), max_shard_size=max_shard_size)
+        tokenizer = AutoTokenizer.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def gguf_to_16bit(model_dir: str, gguf_file: str, out_dir: str | os.PathLike) -> str:
+    """Dequantize a GGUF file into a bf16 transformers checkpoint (weights + tokenizer) in ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    try:  # transformers >= 5.2x keeps GGUF blocks packed unless asked to dequantize; older ones always dequantize
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.bfloat16, **kwargs)
+    if getattr(model, "hf_quantizer", None) is not None:  # a plain dense model is what we save
+        model.hf_quantizer = None
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    model.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file).save_pretrained(str(out_dir))
+    return str(out_dir)

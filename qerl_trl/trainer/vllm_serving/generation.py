@@ -1,0 +1,152 @@
+"""The one place that reaches into TRL's vLLM generation. Written against TRL 1.16.0 and vLLM 0.24.0.
+
+Why it exists: TRL 1.16 syncs a PEFT policy to vLLM by merging the LoRA into the base and pushing every tensor
+(``VLLMGeneration._iter_named_params`` / ``sync_weights``), which cannot work on a packed FP4 base. Here the base
+stays frozen inside vLLM and only the LoRA (and AQN's norms) move:
+
+* ``QeRLVLLMGeneration`` subclasses TRL's ``trl.generation.vllm_generation.VLLMGeneration`` and overrides
+  ``_init_vllm`` (build the one colocated ``LLM`` on the NVFP4A16 checkpoint, with the LoRA backend's engine
+  arguments) and ``sync_weights`` (the backend syncs the LoRA, then the AQN-noised norms, then the prefix cache is
+  reset). TRL's ``generate`` is reused unchanged; the engine it calls is a ``LoRAServingLLM`` proxy that adds
+  ``lora_request=`` and maps sleep level 2 (which TRL 1.16 hard-codes, and which breaks LoRA) to level 1.
+* ``swap_trl_vllm_generation`` swaps the ``VLLMGeneration`` name that ``trl.trainer.grpo_trainer`` instantiates in
+  ``GRPOTrainer.__init__``, so only one engine is ever built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .adapter_lora import AdapterLoRABackend
+from .compile_cache import compile_cache_marker
+from .fp32_norms import fp32_norms_during_load, push_norm_weights
+from .in_layer_lora import InLayerLoRABackend
+from .lora_backend import VLLMLoRABackend
+from .serving_llm import LoRAServingLLM
+from .serving_spec import VLLMServingSpec
+from .versions import WRITTEN_AGAINST
+
+__all__ = ["LORA_BACKENDS", "make_qerl_vllm_generation_class", "swap_trl_vllm_generation"]
+
+#: ``QeRLGRPOConfig.vllm_lora_backend`` -> the class that serves the LoRA that way
+LORA_BACKENDS: dict[str, type[VLLMLoRABackend]] = {"vllm": AdapterLoRABackend, "qerl": InLayerLoRABackend}
+
+
+def make_qerl_vllm_generation_class():
+    """Build ``QeRLVLLMGeneration`` (a subclass of TRL 1.16's ``VLLMGeneration``); imported lazily with vLLM."""
+    from trl.generation.vllm_generation import VLLMGeneration, empty_cache
+    from trl.trainer.utils import ensure_master_addr_port
+
+    class QeRLVLLMGeneration(VLLMGeneration):
+        """TRL's colocated vLLM backend, serving the NVFP4 base + the policy LoRA through a LoRA backend."""
+
+        serving: VLLMServingSpec
+
+        def __init__(self, *args, serving: VLLMServingSpec, **kwargs):
+            self.serving = serving
+            self.lora_backend = LORA_BACKENDS[serving.lora_backend](serving)
+            self.pending_norms: dict[str, torch.Tensor] | None = None
+            self.last_sync_seconds = 0.0
+            super().__init__(*args, **kwargs)
+
+        def _init_vllm(self):
+            from vllm import LLM
+
+            if self.mode != "colocate":
+                raise ValueError("QeRLGRPOTrainer supports vllm_mode='colocate' only.")
+            accelerator = self.accelerator
+            if accelerator.num_processes % self.tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size ({self.tensor_parallel_size}) must divide world size "
+                    f"({accelerator.num_processes}) evenly."
+                )
+            if self.tensor_parallel_size > 1:
+                self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                    [
+                        list(range(i * self.tensor_parallel_size, (i + 1) * self.tensor_parallel_size))
+                        for i in range(accelerator.num_processes // self.tensor_parallel_size)
+                    ]
+                )
+            os.environ["RANK"] = str(accelerator.process_index)
+            os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
+            os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
+            ensure_master_addr_port()
+            spec = self.serving
+            engine_lora = self.lora_backend.engine_kwargs(self.model)
+            with fp32_norms_during_load(spec.fp32_norm_names):
+                llm = LLM(
+                    model=spec.checkpoint,
+                    tokenizer=spec.tokenizer,
+                    dtype=spec.dtype,
+                    tensor_parallel_size=self.tensor_parallel_size,
+                    gpu_memory_utilization=self.gpu_memory_utilization,
+                    max_model_len=self.max_model_length,
+                    max_num_seqs=self.max_num_seqs,
+                    enable_sleep_mode=self.enable_sleep_mode,
+                    model_impl=self.model_impl,
+                    distributed_executor_backend="external_launcher",
+                    seed=accelerator.process_index // self.tensor_parallel_size,
+                    max_num_batched_tokens=4096,
+                    logprobs_mode="processed_logprobs",
+                    trust_remote_code=self.trust_remote_code,
+                    enforce_eager=spec.enforce_eager,
+                    additional_config=compile_cache_marker(spec.fp32_norm_names, engine_lora.get("hf_overrides")),
+                    **engine_lora,
+                )
+            self.llm = LoRAServingLLM(llm, adapters=self.lora_backend.uses_lora_request)
+            self.lora_backend.attach(llm)
+            if self.enable_sleep_mode:
+                self.llm.sleep(level=1)
+            self._llm_weights_sleeping = self.enable_sleep_mode
+            accelerator.wait_for_everyone()
+
+        def sync_weights(self):
+            """Sync the current LoRA (through the LoRA backend) and the pending AQN norms; never touch the FP4 base."""
+            t0 = time.perf_counter()
+            if self.enable_sleep_mode and self._llm_weights_sleeping:
+                empty_cache()
+                self.llm.wake_up(tags=["weights"])
+            request = self.lora_backend.sync(self.model, self._dist.gather_params)
+            if self.lora_backend.uses_lora_request:
+                self.llm.lora_request = request
+            if self.pending_norms:
+                push_norm_weights(self.llm, self.pending_norms)
+                self.pending_norms = None
+            self.llm.reset_prefix_cache()
+            # Level-1 sleep keeps the weights (offloaded to CPU); TRL's generate() must not re-sync.
+            self._llm_weights_sleeping = False
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.last_sync_seconds = time.perf_counter() - t0
+
+        def clear_lora(self) -> int:
+            """Serve the bare NVFP4 base (no LoRA) until the next sync; for checks."""
+            n = self.lora_backend.clear()
+            if self.lora_backend.uses_lora_request:
+                self.llm.lora_request = None
+            return n
+
+    return QeRLVLLMGeneration
+
+
+@contextlib.contextmanager
+def swap_trl_vllm_generation(factory: Callable[..., Any]) -> Iterator[None]:
+    """During ``GRPOTrainer.__init__`` (TRL 1.16), make ``VLLMGeneration(...)`` build ``factory(...)`` instead."""
+    from trl.trainer import grpo_trainer
+
+    if not hasattr(grpo_trainer, "VLLMGeneration"):
+        raise RuntimeError(
+            "trl.trainer.grpo_trainer.VLLMGeneration not found: this TRL version differs from the one QeRL's vLLM "
+            f"integration was written against (TRL {WRITTEN_AGAINST['trl']})."
+        )
+    original = grpo_trainer.VLLMGeneration
+    grpo_trainer.VLLMGeneration = factory
+    try:
+        yield
+    finally:
+        grpo_trainer.VLLMGeneration = original

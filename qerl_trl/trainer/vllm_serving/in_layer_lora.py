@@ -1,0 +1,59 @@
+"""``vllm_lora_backend="qerl"``: the policy's LoRA built into each linear of QeRL's vLLM quantization method
+``qerl_nvfp4_lora`` (:mod:`qerl_trl.vllm_plugin`).
+
+``enable_lora`` stays off; the engine is told the LoRA's rank and targets through ``hf_overrides``, and each sync
+copies A and B (scaling folded in) into the layers in place through ``LLM.apply_model``, so CUDA graphs and compiled
+graphs see the new LoRA with no adapter files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .lora_backend import GatherParams, VLLMLoRABackend
+from .peft_tensors import peft_lora_modules
+
+__all__ = ["InLayerLoRABackend", "single_lora_engine_kwargs"]
+
+
+def single_lora_engine_kwargs(checkpoint: str, model: nn.Module) -> dict[str, Any]:
+    """``LLM(...)`` arguments for lora_backend="qerl": our quantization method (registered here too, in case vLLM's
+    plugin entry point is not installed), told the LoRA's rank and target modules through ``hf_overrides``."""
+    from ...vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
+
+    register(strict=True)
+    rank = int(model.peft_config["default"].r)  # not the tensors' shapes: ZeRO-3 shards them to size 0 here
+    targets = {name.rsplit(".", 1)[-1] for name in peft_lora_modules(model)[0]}
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, rank, targets)}
+
+
+class InLayerLoRABackend(VLLMLoRABackend):
+    """QeRL's ``qerl_nvfp4_lora`` layers: the LoRA copied into the engine's linears each round."""
+
+    uses_lora_request = False
+
+    def engine_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        return single_lora_engine_kwargs(self.spec.checkpoint, model)
+
+    def sync(self, model: nn.Module, gather_params: GatherParams) -> None:
+        with gather_params(self.lora_parameters(model)):  # copied into the engine's layers while gathered
+            self.push(*peft_lora_modules(model))
+        return None
+
+    def push(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float = 1.0) -> int:
+        """Copy the LoRA into the engine's layers in place (every module must land)."""
+        from ...vllm_plugin.single_lora import push_lora_in_place
+
+        return sum(self.llm.apply_model(lambda model: push_lora_in_place(model, adapters, scaling)))
+
+    def clear(self) -> int:
+        n = self.push({})  # every LoRA slot missing from the push is zeroed
+        self.llm.reset_prefix_cache()  # cached KV was computed with the LoRA
+        return n

@@ -1,0 +1,60 @@
+"""The policy's LoRA read out of the PEFT model, in the two forms the LoRA backends serve it: PEFT's saved-adapter
+tensors (vLLM's adapter loader) and ``(A, B)`` per module with one scaling (QeRL's in-layer LoRA)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...vllm_plugin import OTHER_BACKEND_HINT  # the package imports no vLLM
+
+__all__ = ["peft_lora_modules", "peft_to_vllm_lora_tensors"]
+
+def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the names vLLM's LoRA loader parses (PEFT's saved-adapter names).
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` etc.: PEFT's own serialization, so vLLM's
+    ``parse_fine_tuned_lora_name`` maps them onto its (packed) qkv_proj / gate_up_proj LoRA slices.
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if not (name.endswith(".lora_A.weight") or name.endswith(".lora_B.weight")):
+            raise ValueError(
+                f"Adapter tensor {name!r} is not a LoRA A/B weight; vLLM can serve only plain LoRA adapters "
+                "(no DoRA magnitudes, biases, embeddings or modules_to_save)."
+            )
+        out[name] = t.detach()
+    if not out:
+        raise ValueError(f"The model has no LoRA weights for adapter {adapter_name!r}.")
+    return out
+
+
+def peft_lora_modules(
+    model: nn.Module, adapter_name: str = "default"
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+    """The policy's LoRA for the single-LoRA engine path (:mod:`qerl_trl.vllm_plugin`):
+    ``({module name in vLLM's tree: (A [r, in], B [out, r])}, scaling)``.
+
+    PEFT's ``base_model.model.`` prefix is dropped (``model.layers.0.self_attn.q_proj``: the decoder models vLLM and
+    transformers share name their modules alike). The tensors are PEFT's own (no copy); the engine folds the one
+    ``scaling`` (``lora_alpha / r``, or rsLoRA's) into B as it copies it. :func:`check_lora_config_for_vllm` has
+    ruled out per-module alphas, so every module has the same scaling; a model where they differ is an error.
+    """
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    scalings = set()
+    for name, module in model.named_modules():
+        lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+        if not isinstance(lora_a, nn.ModuleDict) or adapter_name not in lora_a:
+            continue
+        out[name.removeprefix("base_model.model.")] = (lora_a[adapter_name].weight.detach(),
+                                                       lora_b[adapter_name].weight.detach())  # fmt: skip
+        scalings.add(float(module.scaling[adapter_name]))
+    if not out:
+        raise ValueError(f"The model has no LoRA modules for adapter {adapter_name!r}.")
+    if len(scalings) != 1:
+        raise ValueError(f"vllm_lora_backend='qerl' serves one LoRA scaling, the model has {sorted(scalings)}. "
+                         f"{OTHER_BACKEND_HINT}")  # fmt: skip
+    return out, scalings.pop()

@@ -1,0 +1,20 @@
+"""What QeRL's colocated vLLM engine serves, as the trainer resolved it from ``QeRLGRPOConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["VLLMServingSpec"]
+
+@dataclass
+class VLLMServingSpec:
+    """What QeRL's vLLM engine serves: the NVFP4A16 checkpoint, the LoRA rank bound and the fp32 norm names."""
+
+    checkpoint: str
+    tokenizer: str
+    max_lora_rank: int
+    fp32_norm_names: list[str] = field(default_factory=list)
+    enforce_eager: bool = False
+    lora_sync_dir: str = "/dev/shm"
+    dtype: str = "bfloat16"
+    lora_backend: str = "vllm"  # "vllm": vLLM's LoRA adapters; "qerl": the LoRA inside our quantization method
