@@ -19,8 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: part -> (pytest arguments, what it holds and what is known of its time on an H100)
 PARTS: dict[str, tuple[list[str], str]] = {
     "kernels": (["-m", "gpu and not vllm", "tests"], "NVFP4 kernels, quantizer on CUDA (113 of 196 took 104 s)"),
-    "colocate": (["tests/test_trainer_vllm_gpu.py", "tests/test_single_lora_vllm.py", "tests/test_trainer_dropin.py"],
-                 "SmolLM2 colocate check per LoRA backend (170 s each), single-LoRA layers, a PeftModel (not timed)"),
+    "colocate": (["tests/test_trainer_vllm_gpu.py"], "SmolLM2 colocate check per LoRA backend (170 s each)"),
+    "vllm_layers": (["tests/test_single_lora_vllm.py", "tests/test_trainer_dropin.py"],
+                    "single-LoRA layers on real Marlin, the drop-in forms under colocate (not timed)"),
     "learning": (["tests/test_learning_gpu.py"], "compare, three arms on one GPU (337 s)"),
     "real_shape": (["tests/test_real_shape_colocate.py"], "32B memory step, 1.5B colocate training (not timed)"),
     "multi_gpu": (["tests/test_multi_gpu.py"], "DDP and TP=2 jobs, both LoRA backends: needs 2 GPUs (not timed)"),
