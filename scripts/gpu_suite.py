@@ -23,7 +23,8 @@ PARTS: dict[str, tuple[list[str], str]] = {
     "vllm_layers": (["tests/test_single_lora_vllm.py", "tests/test_trainer_dropin.py"],
                     "single-LoRA layers on real Marlin, the drop-in forms under colocate (not timed)"),
     "learning": (["tests/test_learning_gpu.py"], "compare, three arms on one GPU (337 s)"),
-    "real_shape": (["tests/test_real_shape_colocate.py"], "32B memory step, 1.5B colocate training (not timed)"),
+    "real_shape": (["tests/test_real_shape_colocate.py"], "1.5B colocate training, AQN and sleep mode on (~4 min)"),
+    "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step (9.5 min with its checkpoint's write)"),
     "multi_gpu": (["tests/test_multi_gpu.py"], "DDP and TP=2 jobs, both LoRA backends: needs 2 GPUs (not timed)"),
 }
 
