@@ -16,15 +16,15 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: part -> (pytest arguments, what it holds and what is known of its time on an H100)
+#: part -> (pytest arguments, what it holds and its time in one call on an H100, after the parts listed before it)
 PARTS: dict[str, tuple[list[str], str]] = {
-    "kernels": (["-m", "gpu and not vllm", "tests"], "NVFP4 kernels, quantizer on CUDA (113 of 196 took 104 s)"),
-    "colocate": (["tests/test_trainer_vllm_gpu.py"], "SmolLM2 colocate check per LoRA backend (170 s each)"),
+    "kernels": (["-m", "gpu and not vllm", "tests"], "NVFP4 kernels, quantizer on CUDA (215 tests, 292 s at aa48af6)"),
+    "colocate": (["tests/test_trainer_vllm_gpu.py"], "SmolLM2 colocate check per LoRA backend (291 s at e987368)"),
     "vllm_layers": (["tests/test_single_lora_vllm.py", "tests/test_trainer_dropin.py"],
-                    "single-LoRA layers on real Marlin, the drop-in forms under colocate (not timed)"),
-    "learning": (["tests/test_learning_gpu.py"], "compare, three arms on one GPU (337 s)"),
-    "real_shape": (["tests/test_real_shape_colocate.py"], "1.5B colocate training, AQN and sleep mode on (~4 min)"),
-    "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step (9.5 min with its checkpoint's write)"),
+                    "single-LoRA layers on real Marlin, the drop-in forms under colocate (238 s)"),
+    "learning": (["tests/test_learning_gpu.py"], "compare, three arms on one GPU (313 s)"),
+    "real_shape": (["tests/test_real_shape_colocate.py"], "1.5B colocate training, AQN and sleep mode on (126 s)"),
+    "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step (9.5 min with its checkpoint's write at aa48af6)"),
     "multi_gpu": (["tests/test_multi_gpu.py"], "DDP and TP=2 jobs, both LoRA backends: needs 2 GPUs (not timed)"),
 }
 
