@@ -247,8 +247,10 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         num_generations=spec.generations,
         max_completion_length=spec.completion_len,
         use_vllm=spec.generation == "vllm",
-        # equal work in every arm: random weights rarely sample EOS, but a 32B row once did (mean length 1887 of 2048)
-        generation_kwargs={"ignore_eos": True} if spec.generation == "vllm" else None,
+        # equal work in every arm: random weights rarely sample EOS, but a 32B row once did (mean length 1887 of 2048);
+        # vLLM takes ignore_eos, transformers' generate (the hf rows) min_new_tokens
+        generation_kwargs=({"ignore_eos": True} if spec.generation == "vllm"
+                           else {"min_new_tokens": spec.completion_len}),
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=GPU_MEMORY_UTILIZATION[spec.size],
         vllm_max_model_length=PROMPT_TOKENS + spec.completion_len + 16,

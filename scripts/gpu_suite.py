@@ -16,7 +16,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: part -> (pytest arguments, what it holds and its time in one call on an H100, after the parts listed before it)
+#: part -> (pytest arguments, what it holds and its time in one H100 call at the commit named; vLLM's compile cache
+#: may have been warm from an earlier part in the same lease)
 PARTS: dict[str, tuple[list[str], str]] = {
     "kernels": (["-m", "gpu and not vllm", "tests"], "NVFP4 kernels, quantizer on CUDA (215 tests, 292 s at aa48af6)"),
     "colocate": (["tests/test_trainer_vllm_gpu.py"], "SmolLM2 colocate check per LoRA backend (291 s at e987368)"),

@@ -54,8 +54,8 @@ vllm_cpu_tests() {  # our vLLM plugin against vLLM 0.24.0's own layer classes, o
 }
 
 # The venvs are set up one after another (each builds this package), then the two smaller test phases run beside
-# the full suite, each into its own log, printed when it ends: most tests use one core (many wait on a child
-# process), so on CI's 2 cores this cut a fresh clone's run from 11 to 8 minutes.
+# the full suite, each into its own log, printed when it ends: on 2 cores a fresh clone's run went from 665 s
+# (one phase after another) to 487 s.
 echo "== setting up the venvs =="
 setup_venv .venv
 phases=()
