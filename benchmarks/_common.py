@@ -51,6 +51,16 @@ def git_commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
+def new_run_id() -> str:
+    """One benchmark process's id (UTC start time + random suffix), written into each of its rows. A speed ratio is
+    computed only between rows of one run: one machine, one commit, the arms back to back (rows from two device
+    leases differ by 10-20% from the machines alone)."""
+    import time
+    import uuid
+
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
 def result_envelope(benchmark: str, rows: list, command: str) -> dict:
     """``{"benchmark", "gpu", "versions", "commit", "command", "rows"}`` for ``benchmarks/results/*.json``."""
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}

@@ -19,10 +19,12 @@ because a random model almost never samples EOS, so every arm does the same work
 LoRA r32 (alpha 64) on every linear, gradient checkpointing, bf16, 128-token prompts, AdamW, ``max_steps`` steps
 of one generation round each (``per_device_train_batch_size`` completions per micro-batch, gradient accumulation
 over the round). Each row runs in its own process (a fresh CUDA context and vLLM engine) and reports the median of
-the steps after the first: ``step_s`` (optimizer step to optimizer step, CUDA-synchronized), ``rollout_s`` (vLLM
+the steps after the first (``--steps 6``: five measured steps), with ``step_s_min`` / ``step_s_max`` over them: ``step_s`` (optimizer step to optimizer step, CUDA-synchronized), ``rollout_s`` (vLLM
 ``generate``, or HF generation), ``sync_s`` (the trainer's weight/adapter push into vLLM), ``train_s`` (the rest:
 log-probs, loss, backward, optimizer), ``peak_gib`` (device memory in use, sampled every 20 ms by NVML during the
 training steps: vLLM's pools included) and ``torch_peak_gib``. An OOM or a failure is a row with its ``status``.
+Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the arms back to back), and
+``speedup_vs_trl_bf16`` is computed only against the TRL row of the same run.
 
 Checkpoints are written once per machine under ``--work``: BF16 with ``from_config`` on the GPU (7B, 14B), NVFP4A16
 with random packed weights directly (every size; a 32B BF16 checkpoint, 65 GB, does not fit a 64 GiB disk).
@@ -86,15 +88,17 @@ class RowSpec:
 
 def default_matrix(arms: tuple[str, ...] | list[str] = DEFAULT_ARMS) -> list[RowSpec]:
     """The committed matrix, in the order it is run (most informative first: device time is finite). 7B: 2x8 and
-    8x8 completions, 512 and 2048 tokens, sleep mode on and off; 14B and 32B: sleep on, which a colocated engine
+    8x8 completions, 512 and 2048 tokens, sleep mode on and off (``--only 2x8-512-nosleep 2x8-2048-sleep
+    8x8-512-nosleep`` are the step table of README); 14B and 32B: sleep on, which a colocated engine
     beside a 14B/32B policy needs on 80 GB. QLoRA also with HF generation, in case TRL's vLLM QLoRA path fails."""
     settings = [
+        # issue #25's three 7B settings (one run each: TRL BF16 LoRA and QeRL with both LoRA backends)
         ("7b", 2, 8, 512, False),
+        ("7b", 2, 8, 2048, True),  # the long completions of reasoning RL; TRL needs sleep mode here on 80 GB
+        ("7b", 8, 8, 512, False),
         ("7b", 8, 8, 512, True),
         ("32b", 1, 8, 2048, True),
-        ("7b", 8, 8, 512, False),
         ("14b", 8, 8, 512, True),
-        ("7b", 2, 8, 2048, True),
     ]
     rows = [RowSpec(size, arm, p, g, length, sleep) for size, p, g, length, sleep in settings for arm in arms]
     if "trl_qlora" in arms:
@@ -363,6 +367,8 @@ def run_row(spec: RowSpec, work: str, steps: int) -> dict:
     for key in ("step_s", "rollout_s", "sync_s", "train_s"):
         row[key] = round(statistics.median(s[key] for s in measured), 3)
         row[key + "_per_step"] = [round(s[key], 3) for s in per_step]
+    row["step_s_min"] = round(min(s["step_s"] for s in measured), 3)
+    row["step_s_max"] = round(max(s["step_s"] for s in measured), 3)
     lengths = [h.get("completions/mean_length") for h in logs]
     row["mean_completion_len_per_step"] = lengths
     row["losses"] = [h.get("loss") for h in logs]
@@ -385,7 +391,13 @@ def _child(spec: RowSpec, work: str, steps: int, out: str) -> None:
         json.dump(row, f, default=str)
 
 
-def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float) -> list[dict]:
+def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float, run: str | None = None
+               ) -> list[dict]:
+    """Each spec in its own child process, one after another; every row is appended to ``jsonl`` as it finishes,
+    tagged with ``run`` (default: a new run id)."""
+    from benchmarks._common import new_run_id
+
+    run = run or new_run_id()
     rows = []
     by_size: dict[str, list[RowSpec]] = {}
     for s in specs:
@@ -422,6 +434,7 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
                         status = "oom: " + status
                     row = dict(dataclasses.asdict(spec), status=status, log_tail=log[-2500:])
             row["row_wall_s"] = round(time.perf_counter() - t0, 1)
+            row["run"] = run
             rows.append(row)
             with open(jsonl, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
@@ -433,7 +446,7 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
     return rows
 
 
-def write_meta(jsonl: str) -> None:
+def write_meta(jsonl: str, run: str) -> None:
     """First line of a run's JSONL: where and with what it ran (``--merge`` builds the result envelope from it)."""
     from importlib import metadata
 
@@ -447,16 +460,21 @@ def write_meta(jsonl: str) -> None:
             pass
     meta = {k: env[k] for k in ("gpu", "versions", "commit", "command")}
     meta["gpu_tag"] = gpu_tag()
+    meta["run"] = run
     with open(jsonl, "a") as f:
         f.write(json.dumps({"_meta": meta}) + "\n")
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """``speedup_vs_trl_bf16``: TRL BF16 LoRA's step time over this row's, same size and setting."""
-    base = {(r["size"], r["prompts"], r["generations"], r["completion_len"], r["sleep"]): r["step_s"]
-            for r in rows if r["arm"] == "trl_bf16" and r.get("status") == "ok"}
+    """``speedup_vs_trl_bf16``: TRL BF16 LoRA's median step time over this row's, same size and setting, same run
+    (rows of no run, or of another run, get None: they ran on another machine or at another commit)."""
+    def key(r):
+        return r["size"], r["prompts"], r["generations"], r["completion_len"], r["sleep"], r.get("run")
+
+    base = {key(r): r["step_s"] for r in rows
+            if r["arm"] == "trl_bf16" and r.get("status") == "ok" and r.get("run")}
     for r in rows:
-        b = base.get((r["size"], r["prompts"], r["generations"], r["completion_len"], r["sleep"]))
+        b = base.get(key(r))
         r["speedup_vs_trl_bf16"] = round(b / r["step_s"], 3) if b and r.get("status") == "ok" else None
 
 
@@ -470,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", nargs="*", choices=list(SIZES), help="sizes of the default matrix to run")
     ap.add_argument("--arms", nargs="*", choices=list(ARMS))
     ap.add_argument("--only", nargs="*", help="settings to run, e.g. 8x8-512-sleep or a full row name")
-    ap.add_argument("--steps", type=int, default=5, help="steps per row; the median is over all but the first")
+    ap.add_argument("--steps", type=int, default=6, help="steps per row; the median is over all but the first")
     ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints and trainer outputs")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--jsonl", default=None, help="append each row here as it finishes (default: <out-dir>/e2e_step-rows.jsonl)")
@@ -513,8 +531,11 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(a.out_dir, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     jsonl = a.jsonl or os.path.join(a.out_dir, "e2e_step-rows.jsonl")
-    write_meta(jsonl)
-    rows = run_matrix(specs, a.work, a.steps, jsonl, a.timeout)
+    from benchmarks._common import new_run_id
+
+    run = new_run_id()
+    write_meta(jsonl, run)
+    rows = run_matrix(specs, a.work, a.steps, jsonl, a.timeout, run)
     add_speedups(rows)
     from benchmarks._common import write_result
 
@@ -536,16 +557,17 @@ def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | No
     meta: dict[str, Any] = {}
     commits: list[str] = []
     for path in files:
-        file_commit = None
+        file_commit = file_run = None
         with open(path) as f:
             for line in f:
                 if line.strip():
                     r = json.loads(line)
                     if "_meta" in r:
                         meta.update(r["_meta"])
-                        file_commit = r["_meta"].get("commit")
+                        file_commit, file_run = r["_meta"].get("commit"), r["_meta"].get("run")
                         continue
                     r.setdefault("commit", file_commit)
+                    r.setdefault("run", file_run)
                     if r["commit"] and r["commit"] not in commits:
                         commits.append(r["commit"])
                     latest[row_name(r)] = r

@@ -20,7 +20,11 @@ A row per (size, arm, batch): ``tokens_per_s`` (generated tokens over the wall t
 ``batch`` prompts of ``--prompt-len`` tokens; the prefill is included and small next to the decode),
 ``ms_per_token_step`` and ``vs_bf16_merged``; ``weights`` (where they came from), ``kv_tokens`` (the engine's KV
 cache capacity) and ``kv_limited`` (the batch's tokens exceed it, so vLLM ran fewer sequences at once). An engine
-that fails or runs out of memory gives rows with its status.
+that fails or runs out of memory gives rows with its status. Every row keeps its ``commit`` and ``run`` (one
+invocation: one machine, a size's arms back to back); ratios are computed only within a run.
+
+    python benchmarks/rollout.py --merge benchmarks/results/rollout-h100.json /tmp/out/rollout-h100.json \
+        --out-dir benchmarks/results        # later rows replace earlier ones of the same size, arm and batch
 """
 
 from __future__ import annotations
@@ -211,18 +215,54 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
                 for b in spec.batches]  # fmt: skip
 
 
+def _same(r: dict) -> tuple:
+    """Rows that may be compared: same size, batch and run (rows of no run compare with nothing)."""
+    return r["size"], r["batch"], r.get("run") or id(r)
+
+
 def add_speedups(rows: list[dict]) -> None:
-    """``vs_bf16_merged``: tokens/s over the merged-BF16 arm's at the same size and batch."""
-    ref = {(r["size"], r["batch"]): r["tokens_per_s"] for r in rows
-           if r["arm"] == "bf16_merged" and r.get("status") == "ok"}  # fmt: skip
+    """``vs_bf16_merged``: tokens/s over the merged-BF16 arm's at the same size and batch, in the same run; and
+    ``lora_overhead_vs_nvfp4`` against the no-LoRA arm likewise."""
+    ref = {_same(r): r["tokens_per_s"] for r in rows if r["arm"] == "bf16_merged" and r.get("status") == "ok"}
     for r in rows:
-        base = ref.get((r["size"], r["batch"]))
+        base = ref.get(_same(r))
         r["vs_bf16_merged"] = round(r["tokens_per_s"] / base, 3) if base and r.get("status") == "ok" else None
-    ceiling = {(r["size"], r["batch"]): r["tokens_per_s"] for r in rows if r["arm"] == "nvfp4" and r["status"] == "ok"}
+    ceiling = {_same(r): r["tokens_per_s"] for r in rows if r["arm"] == "nvfp4" and r.get("status") == "ok"}
     for r in rows:
-        top = ceiling.get((r["size"], r["batch"]))
+        top = ceiling.get(_same(r))
         if r["arm"] not in ("nvfp4", "bf16_merged"):
             r["lora_overhead_vs_nvfp4"] = round(top / r["tokens_per_s"] - 1, 3) if top and r["status"] == "ok" else None
+
+
+def merge(files: list[str], out_dir: str) -> str:
+    """Result files (``rollout-<gpu>.json``) -> one, later files' rows replacing earlier ones of the same (size, arm,
+    batch). Rows keep their ``commit`` and ``run``; ratios are recomputed within runs. The envelope is the last
+    file's, with every commit named."""
+    from benchmarks._common import result_envelope
+
+    latest: dict[tuple, dict] = {}
+    seen: dict[str, None] = {}
+    env: dict = {}
+    for path in files:
+        with open(path) as f:
+            env = json.load(f)
+        for r in env["rows"]:
+            r.setdefault("commit", env.get("commit"))
+            latest[(r["size"], r["arm"], r["batch"])] = r
+            seen.setdefault(str(r["commit"]), None)
+    rows = list(latest.values())
+    add_speedups(rows)
+    kept = {str(r["commit"]) for r in rows if r.get("commit")}
+    commits = [c for c in seen if c in kept]  # in the order the files name them
+    out = result_envelope("rollout", rows, "merged by benchmarks/rollout.py --merge from: " + "; ".join(
+        json.load(open(p))["command"] for p in files))
+    out.update(gpu=env.get("gpu", out["gpu"]), versions=env.get("versions", out["versions"]), commit=", ".join(commits))
+    tag = os.path.basename(files[-1]).removeprefix("rollout-").removesuffix(".json")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"rollout-{tag}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return path
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -237,9 +277,14 @@ def main(argv: list[str] | None = None) -> str | None:
     ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints (shared with e2e_step.py)")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
+    ap.add_argument("--merge", nargs="*", help="result files to merge into <out-dir>/rollout-<gpu>.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.merge:
+        path = merge(a.merge, a.out_dir)
+        print(f"wrote {path}")
+        return path
     if a.child:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         spec = EngineSpec(**{**json.loads(a.child), "batches": tuple(json.loads(a.child)["batches"])})
@@ -247,8 +292,9 @@ def main(argv: list[str] | None = None) -> str | None:
             json.dump(run_engine(spec, a.work), f, default=str)
         return None
     from benchmarks import e2e_step as e2e
-    from benchmarks._common import write_result
+    from benchmarks._common import git_commit, new_run_id, write_result
 
+    run, commit = new_run_id(), git_commit()
     rows: list[dict] = []
     path = None
     for size in a.sizes:
@@ -272,6 +318,8 @@ def main(argv: list[str] | None = None) -> str | None:
             else:
                 got = [dict(size=size, arm=arm, batch=b, status=f"failed: {log[-300:]}", log_tail=log)
                        for b in a.batches]  # fmt: skip
+            for r in got:
+                r.update(commit=commit, run=run)
             rows += got
             for r in got:
                 print(json.dumps({k: r.get(k) for k in ("size", "arm", "batch", "tokens_per_s", "status")}), flush=True)

@@ -42,6 +42,7 @@ def test_an_arm_trains_and_reports_a_full_row(tiny, arm, tmp_path):
     # a random model rarely samples EOS; when it does, the equal-work check says so instead of passing
     assert row["status"] == "ok" or row["status"].startswith("check_failed: completion lengths"), row
     assert len(row["step_s_per_step"]) == 3 and row["step_s"] > 0 and row["rollout_s"] > 0
+    assert row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
     assert row["sync_s"] == 0.0  # no vLLM: nothing to sync
     assert abs(row["step_s"] - (row["rollout_s"] + row["sync_s"] + row["train_s"])) < 1e-2
     assert all(x is not None for x in row["losses"]) and row["tokens_per_step"] == 2 * 4 * 6
@@ -71,6 +72,15 @@ def test_matrix_names_are_unique_and_selectable():
     assert set(e2e.QERL_ARMS) | set(e2e.DEFAULT_ARMS) == set(e2e.ARMS)
 
 
+def test_speedups_only_within_one_run():
+    base = dict(size="7b", prompts=2, generations=8, completion_len=512, sleep=False, status="ok")
+    rows = [dict(base, arm="trl_bf16", step_s=6.0, run="r1"), dict(base, arm="qerl", step_s=4.0, run="r1"),
+            dict(base, arm="qerl_single_lora", step_s=3.0, run="r2"), dict(base, arm="trl_bf16", step_s=5.0),
+            dict(base, arm="qerl", step_s=5.0)]
+    e2e.add_speedups(rows)
+    assert [r["speedup_vs_trl_bf16"] for r in rows] == [1.0, 1.5, None, None, None]
+
+
 def test_merge_keeps_the_latest_row_fills_the_matrix_and_adds_speedups(tmp_path):
     meta = {"_meta": {"gpu": "NVIDIA H100 80GB HBM3", "gpu_tag": "h100", "versions": {"vllm": "0.24.0"},
                       "commit": "abc", "command": "python benchmarks/e2e_step.py --sizes 7b"}}
@@ -92,8 +102,9 @@ def test_merge_keeps_the_latest_row_fills_the_matrix_and_adds_speedups(tmp_path)
     # every matrix row is there, in matrix order, whatever ran
     assert list(rows) == [s.name for s in e2e.default_matrix()]
     q, t = rows["7b/qerl/2x8-512-nosleep"], rows["7b/trl_bf16/2x8-512-nosleep"]
-    assert q["status"] == "ok" and q["speedup_vs_trl_bf16"] == 1.5 and q["commit"] == "def"
-    assert t["commit"] == "abc"
+    # two runs (files without a run id, at two commits): no speed-up between them
+    assert q["status"] == "ok" and q["speedup_vs_trl_bf16"] is None and q["commit"] == "def"
+    assert t["commit"] == "abc" and t["speedup_vs_trl_bf16"] is None
     assert rows[cut]["status"].startswith("not_run: cut off")
     assert rows["32b/trl_bf16/1x8-2048-sleep"]["status"].startswith("not_run: a 32B BF16 checkpoint")
     assert rows["14b/qerl/8x8-512-sleep"]["status"] == "not_run: not measured"

@@ -31,17 +31,45 @@ def test_random_adapter_loads_into_the_model_with_every_linear_targeted(tmp_path
     assert saved[name].abs().max() > 0  # B non-zero: vLLM really applies the adapter
 
 
-def test_speedups_are_against_merged_bf16_at_the_same_size_and_batch():
+def test_speedups_are_against_merged_bf16_at_the_same_size_batch_and_run():
     rows = [
-        dict(size="7b", arm="bf16_merged", batch=8, tokens_per_s=100.0, status="ok"),
-        dict(size="7b", arm="nvfp4", batch=8, tokens_per_s=150.0, status="ok"),
-        dict(size="7b", arm="nvfp4_vllm_lora", batch=8, tokens_per_s=120.0, status="ok"),
-        dict(size="7b", arm="nvfp4_vllm_lora", batch=64, tokens_per_s=500.0, status="ok"),
-        dict(size="32b", arm="bf16_merged", batch=8, status="not_run: disk"),
+        dict(size="7b", arm="bf16_merged", batch=8, tokens_per_s=100.0, status="ok", run="r1"),
+        dict(size="7b", arm="nvfp4", batch=8, tokens_per_s=150.0, status="ok", run="r1"),
+        dict(size="7b", arm="nvfp4_vllm_lora", batch=8, tokens_per_s=120.0, status="ok", run="r1"),
+        dict(size="7b", arm="nvfp4_vllm_lora", batch=64, tokens_per_s=500.0, status="ok", run="r1"),
+        dict(size="32b", arm="bf16_merged", batch=8, status="not_run: disk", run="r1"),
+        dict(size="7b", arm="nvfp4_qerl_lora", batch=8, tokens_per_s=130.0, status="ok", run="r2"),  # another lease
+        dict(size="7b", arm="bf16_merged", batch=1, tokens_per_s=10.0, status="ok"),  # no run: compares with nothing
+        dict(size="7b", arm="nvfp4", batch=1, tokens_per_s=20.0, status="ok"),
     ]
     rollout.add_speedups(rows)
-    assert [r["vs_bf16_merged"] for r in rows] == [1.0, 1.5, 1.2, None, None]
+    assert [r["vs_bf16_merged"] for r in rows] == [1.0, 1.5, 1.2, None, None, None, 1.0, None]
     assert rows[2]["lora_overhead_vs_nvfp4"] == 0.25 and rows[3]["lora_overhead_vs_nvfp4"] is None
+    assert rows[5]["lora_overhead_vs_nvfp4"] is None
+
+
+def test_merge_replaces_rows_and_keeps_each_rows_commit(tmp_path):
+    import json
+
+    def result(path, commit, rows):
+        path.write_text(json.dumps({"benchmark": "rollout", "gpu": "NVIDIA H100 80GB HBM3", "versions": {},
+                                    "commit": commit, "command": f"python benchmarks/rollout.py # {commit}",
+                                    "rows": rows}))
+        return str(path)
+
+    row = dict(size="7b", batch=8, status="ok")
+    old = result(tmp_path / "rollout-h100.json", "aaa", [dict(row, arm="bf16_merged", tokens_per_s=100.0),
+                                                         dict(row, size="14b", arm="nvfp4", tokens_per_s=50.0)])
+    (tmp_path / "new").mkdir()
+    new = result(tmp_path / "new" / "rollout-h100.json", "bbb", [dict(row, arm="bf16_merged", tokens_per_s=110.0, commit="bbb", run="r"),
+                         dict(row, arm="nvfp4", tokens_per_s=220.0, commit="bbb", run="r")])
+    path = rollout.merge([old, new], str(tmp_path / "out"))
+    env = json.loads(open(path).read())
+    assert path.endswith("rollout-h100.json") and env["commit"] == "aaa, bbb"
+    got = {(r["size"], r["arm"]): r for r in env["rows"]}
+    assert got[("7b", "bf16_merged")]["tokens_per_s"] == 110.0 and got[("14b", "nvfp4")]["commit"] == "aaa"
+    assert got[("7b", "nvfp4")]["vs_bf16_merged"] == 2.0 and got[("14b", "nvfp4")]["vs_bf16_merged"] is None
+    assert "# aaa" in env["command"] and "# bbb" in env["command"]
 
 
 def test_32b_bf16_is_served_from_vllms_dummy_loader(tmp_path):
