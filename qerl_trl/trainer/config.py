@@ -59,10 +59,10 @@ class QeRLGRPOConfig(GRPOConfig):
             How the colocated engine serves the LoRA. `"vllm"`: vLLM's LoRA adapters (punica kernels; the adapter
             handed over as files each step). `"qerl"`: QeRL's vLLM quantization method `qerl_nvfp4_lora`, which
             builds the one LoRA into each NVFP4 linear and updates it in place each step (no adapter files, any
-            rank). On an H100 it decoded 1.21x faster than `"vllm"` at 7B batch 1 and 1.09x at batch 16 (14B: 1.17x
-            and 1.07x), the 7B training step at 2 x 8 x 512 took 4.40 s against TRL BF16-LoRA's 5.88 s, and it
-            passed the colocate check (README, "Serving the LoRA in vLLM"). It becomes the default once the whole
-            GPU suite has passed on it.
+            rank). On an H100, in one run per table, it decoded 1.18x faster than `"vllm"` at 7B batch 1 and 1.06x
+            at batch 16, the 7B training step at 2 x 8 x 512 took 4.58 s against 4.99 s with `"vllm"` and 5.77 s
+            with TRL BF16-LoRA, and it passed the colocate check (README, "Serving the LoRA in vLLM"). It becomes
+            the default once the step's other two settings and the whole GPU suite have passed on it (issue #25).
         vllm_max_lora_rank (`int`, *optional*):
             vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320,
             512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is served padded to it (logged).
