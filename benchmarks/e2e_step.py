@@ -19,8 +19,9 @@ because a random model almost never samples EOS, so every arm does the same work
 LoRA r32 (alpha 64) on every linear, gradient checkpointing, bf16, 128-token prompts, AdamW, ``max_steps`` steps
 of one generation round each (``per_device_train_batch_size`` completions per micro-batch, gradient accumulation
 over the round). Each row runs in its own process (a fresh CUDA context and vLLM engine) and reports the median of
-the steps after the first (``--steps 6``: five measured steps), with ``step_s_min`` / ``step_s_max`` over them: ``step_s`` (optimizer step to optimizer step, CUDA-synchronized), ``rollout_s`` (vLLM
-``generate``, or HF generation), ``sync_s`` (the trainer's weight/adapter push into vLLM), ``train_s`` (the rest:
+the steps after the first (``--steps 6``: five measured steps; ``step_s_min`` / ``step_s_max`` over them):
+``step_s`` (optimizer step to optimizer step, CUDA-synchronized), ``rollout_s`` (vLLM ``generate``, or HF
+generation), ``sync_s`` (the trainer's weight/adapter push into vLLM), ``train_s`` (the rest:
 log-probs, loss, backward, optimizer), ``peak_gib`` (device memory in use, sampled every 20 ms by NVML during the
 training steps: vLLM's pools included) and ``torch_peak_gib``. An OOM or a failure is a row with its ``status``.
 Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the arms back to back), and
@@ -391,13 +392,9 @@ def _child(spec: RowSpec, work: str, steps: int, out: str) -> None:
         json.dump(row, f, default=str)
 
 
-def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float, run: str | None = None
-               ) -> list[dict]:
+def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float, run: str) -> list[dict]:
     """Each spec in its own child process, one after another; every row is appended to ``jsonl`` as it finishes,
-    tagged with ``run`` (default: a new run id)."""
-    from benchmarks._common import new_run_id
-
-    run = run or new_run_id()
+    tagged with ``run``."""
     rows = []
     by_size: dict[str, list[RowSpec]] = {}
     for s in specs:

@@ -38,8 +38,9 @@ def test_speedups_are_against_merged_bf16_at_the_same_size_batch_and_run():
         dict(size="7b", arm="nvfp4_vllm_lora", batch=8, tokens_per_s=120.0, status="ok", run="r1"),
         dict(size="7b", arm="nvfp4_vllm_lora", batch=64, tokens_per_s=500.0, status="ok", run="r1"),
         dict(size="32b", arm="bf16_merged", batch=8, status="not_run: disk", run="r1"),
-        dict(size="7b", arm="nvfp4_qerl_lora", batch=8, tokens_per_s=130.0, status="ok", run="r2"),  # another lease
-        dict(size="7b", arm="bf16_merged", batch=1, tokens_per_s=10.0, status="ok"),  # no run: compares with nothing
+        # another lease, then rows of no run, which compare with nothing
+        dict(size="7b", arm="nvfp4_qerl_lora", batch=8, tokens_per_s=130.0, status="ok", run="r2"),
+        dict(size="7b", arm="bf16_merged", batch=1, tokens_per_s=10.0, status="ok"),
         dict(size="7b", arm="nvfp4", batch=1, tokens_per_s=20.0, status="ok"),
     ]
     rollout.add_speedups(rows)
