@@ -18,6 +18,26 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def gpu_uuid() -> str | None:
+    """The GPU's UUID (one physical device), written into every row: rows of two device calls can then be shown to
+    have run on the same machine. None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(0).uuid)
+
+
+def keep_runs(rows: list[dict], new: list[dict], key) -> list[dict]:
+    """``rows`` with ``new`` added: a new row replaces earlier rows of the same ``key(row)`` from another commit (or
+    from no run, or from its own run given again); rows of one commit from different runs are all kept, since
+    each run is its own comparison (one device call with a baseline arm of its own)."""
+    out = list(rows)
+    for r in new:
+        out = [o for o in out if not (key(o) == key(r) and (o.get("commit") != r.get("commit") or not o.get("run")
+                                                            or o.get("run") == r.get("run")))]
+        out.append(r)
+    return out
+
+
 def gpu_tag() -> str:
     """'h100', 'h200', ... from the device name (results files are named ``<benchmark>-<tag>.json``)."""
     if not torch.cuda.is_available():

@@ -395,6 +395,9 @@ def _child(spec: RowSpec, work: str, steps: int, out: str) -> None:
 def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float, run: str) -> list[dict]:
     """Each spec in its own child process, one after another; every row is appended to ``jsonl`` as it finishes,
     tagged with ``run``."""
+    from benchmarks._common import gpu_uuid
+
+    uuid = gpu_uuid()
     rows = []
     by_size: dict[str, list[RowSpec]] = {}
     for s in specs:
@@ -431,7 +434,7 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
                         status = "oom: " + status
                     row = dict(dataclasses.asdict(spec), status=status, log_tail=log[-2500:])
             row["row_wall_s"] = round(time.perf_counter() - t0, 1)
-            row["run"] = run
+            row["run"], row["gpu_uuid"] = run, uuid
             rows.append(row)
             with open(jsonl, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
@@ -447,7 +450,7 @@ def write_meta(jsonl: str, run: str) -> None:
     """First line of a run's JSONL: where and with what it ran (``--merge`` builds the result envelope from it)."""
     from importlib import metadata
 
-    from benchmarks._common import gpu_tag, result_envelope
+    from benchmarks._common import gpu_tag, gpu_uuid, result_envelope
 
     env = result_envelope("e2e_step", [], "python " + " ".join(sys.argv))
     for pkg in ("bitsandbytes", "compressed-tensors", "datasets", "accelerate"):
@@ -456,7 +459,7 @@ def write_meta(jsonl: str, run: str) -> None:
         except metadata.PackageNotFoundError:
             pass
     meta = {k: env[k] for k in ("gpu", "versions", "commit", "command")}
-    meta["gpu_tag"] = gpu_tag()
+    meta["gpu_tag"], meta["gpu_uuid"] = gpu_tag(), gpu_uuid()
     meta["run"] = run
     with open(jsonl, "a") as f:
         f.write(json.dumps({"_meta": meta}) + "\n")
@@ -543,18 +546,20 @@ def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | No
           row_status: dict[str, str] | None = None, missing: str = "not_run: not measured") -> str:
     """Rows from several runs (device calls) -> one result file with every row of the default matrix.
 
-    A later row replaces an earlier one of the same name; each row keeps the ``commit`` of the run it came from.
+    A later row replaces earlier rows of the same name from another commit; rows of one commit from several runs
+    are all kept (a setting whose arms do not fit one call runs as calls that each hold TRL's arm, so each
+    speed-up stays within its call). Each row keeps the ``commit`` and ``run`` it came from.
     ``row_status`` ({row name: status}) records what happened to a row that left no JSONL line (a run cut off by
     the device's time limit); other absent rows get their by-design ``not_run`` reason, or ``missing``. Rows are
     ordered as in the default matrix."""
-    from benchmarks._common import result_envelope
+    from benchmarks._common import keep_runs, result_envelope
 
     row_status = row_status or {}
-    latest: dict[str, dict] = {}
+    kept: list[dict] = []
     meta: dict[str, Any] = {}
-    commits: list[str] = []
     for path in files:
         file_commit = file_run = None
+        new: list[dict] = []
         with open(path) as f:
             for line in f:
                 if line.strip():
@@ -565,9 +570,13 @@ def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | No
                         continue
                     r.setdefault("commit", file_commit)
                     r.setdefault("run", file_run)
-                    if r["commit"] and r["commit"] not in commits:
-                        commits.append(r["commit"])
-                    latest[row_name(r)] = r
+                    new.append(r)
+        kept = keep_runs(kept, new, row_name)
+    commits: list[str] = []
+    for r in kept:
+        if r["commit"] and r["commit"] not in commits:
+            commits.append(r["commit"])
+    latest = {row_name(r): r for r in kept}
     measured = sorted(set(row_status) & set(latest))
     if measured:
         raise ValueError(f"--row-status {measured}: measured rows; their status comes from their run")
@@ -578,9 +587,8 @@ def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | No
     for spec in default_matrix():
         if spec.name not in latest:
             status = row_status.get(spec.name) or unrunnable(spec) or missing
-            latest[spec.name] = dict(dataclasses.asdict(spec), prompt_len=PROMPT_TOKENS, lora_r=LORA_R,
-                                     status=status)
-    rows = sorted(latest.values(), key=lambda r: order.get(row_name(r), 10**6))
+            kept.append(dict(dataclasses.asdict(spec), prompt_len=PROMPT_TOKENS, lora_r=LORA_R, status=status))
+    rows = sorted(kept, key=lambda r: (order.get(row_name(r), 10**6), r.get("run") or ""))
     add_speedups(rows)
     env = result_envelope("e2e_step", rows, command or meta.get("command") or "python " + " ".join(sys.argv))
     env["gpu"] = meta.get("gpu", env["gpu"])

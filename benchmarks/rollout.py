@@ -235,12 +235,13 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def merge(files: list[str], out_dir: str) -> str:
-    """Result files (``rollout-<gpu>.json``) -> one, later files' rows replacing earlier ones of the same (size, arm,
-    batch). Rows keep their ``commit`` and ``run``; ratios are recomputed within runs. The envelope is the last
-    file's, with every commit named."""
-    from benchmarks._common import result_envelope
+    """Result files (``rollout-<gpu>.json``) -> one. A later file's row replaces earlier rows of the same (size, arm,
+    batch) from another commit; rows of one commit from several runs are all kept (a size's arms split over two
+    calls, each with its own merged-BF16 baseline). Rows keep their ``commit`` and ``run``; ratios are recomputed
+    within runs. The envelope is the last file's, with every commit named."""
+    from benchmarks._common import keep_runs, result_envelope
 
-    latest: dict[tuple, dict] = {}
+    rows: list[dict] = []
     seen: dict[str, None] = {}
     env: dict = {}
     for path in files:
@@ -248,9 +249,8 @@ def merge(files: list[str], out_dir: str) -> str:
             env = json.load(f)
         for r in env["rows"]:
             r.setdefault("commit", env.get("commit"))
-            latest[(r["size"], r["arm"], r["batch"])] = r
             seen.setdefault(str(r["commit"]), None)
-    rows = list(latest.values())
+        rows = keep_runs(rows, env["rows"], lambda r: (r["size"], r["arm"], r["batch"]))
     add_speedups(rows)
     kept = {str(r["commit"]) for r in rows if r.get("commit")}
     commits = [c for c in seen if c in kept]  # in the order the files name them
@@ -292,9 +292,9 @@ def main(argv: list[str] | None = None) -> str | None:
             json.dump(run_engine(spec, a.work), f, default=str)
         return None
     from benchmarks import e2e_step as e2e
-    from benchmarks._common import git_commit, new_run_id, write_result
+    from benchmarks._common import git_commit, gpu_uuid, new_run_id, write_result
 
-    run, commit = new_run_id(), git_commit()
+    run, commit, uuid = new_run_id(), git_commit(), gpu_uuid()
     rows: list[dict] = []
     path = None
     for size in a.sizes:
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> str | None:
                 got = [dict(size=size, arm=arm, batch=b, status=f"failed: {log[-300:]}", log_tail=log)
                        for b in a.batches]  # fmt: skip
             for r in got:
-                r.update(commit=commit, run=run)
+                r.update(commit=commit, run=run, gpu_uuid=uuid)
             rows += got
             for r in got:
                 print(json.dumps({k: r.get(k) for k in ("size", "arm", "batch", "tokens_per_s", "status")}), flush=True)

@@ -81,6 +81,27 @@ def test_speedups_only_within_one_run():
     assert [r["speedup_vs_trl_bf16"] for r in rows] == [1.0, 1.5, None, None, None]
 
 
+def test_merge_keeps_each_call_of_a_split_setting_with_its_own_baseline(tmp_path):
+    """2x8x2048 does not fit one 10-minute call with three arms: two calls at one commit, each with TRL's arm. Both
+    TRL rows stay, and each QeRL row's speed-up is against the TRL row of its own call."""
+    base = dict(size="7b", prompts=2, generations=8, completion_len=2048, sleep=True, generation="vllm", status="ok")
+
+    def call(name, run, rows):
+        meta = {"_meta": {"gpu": "H100", "gpu_tag": "h100", "versions": {}, "commit": "c1", "command": "x", "run": run}}
+        path = tmp_path / name
+        path.write_text("\n".join(json.dumps(x) for x in [meta] + [dict(base, **r) for r in rows]))
+        return str(path)
+
+    a = call("a.jsonl", "r1", [dict(arm="trl_bf16", step_s=20.0), dict(arm="qerl_single_lora", step_s=16.0)])
+    b = call("b.jsonl", "r2", [dict(arm="trl_bf16", step_s=21.0), dict(arm="qerl", step_s=17.5)])
+    env = json.loads(open(e2e.merge([a, b], str(tmp_path / "out"), None, None, None)).read())
+    got = [(r["arm"], r["run"], r["speedup_vs_trl_bf16"]) for r in env["rows"]
+           if r["completion_len"] == 2048 and r["status"] == "ok"]
+    assert got == [("trl_bf16", "r1", 1.0), ("trl_bf16", "r2", 1.0), ("qerl", "r2", 1.2),
+                   ("qerl_single_lora", "r1", 1.25)]
+    assert env["commit"] == "c1"
+
+
 def test_merge_keeps_the_latest_row_fills_the_matrix_and_adds_speedups(tmp_path):
     meta = {"_meta": {"gpu": "NVIDIA H100 80GB HBM3", "gpu_tag": "h100", "versions": {"vllm": "0.24.0"},
                       "commit": "abc", "command": "python benchmarks/e2e_step.py --sizes 7b"}}

@@ -73,6 +73,33 @@ def test_merge_replaces_rows_and_keeps_each_rows_commit(tmp_path):
     assert "# aaa" in env["command"] and "# bbb" in env["command"]
 
 
+def test_merge_keeps_both_runs_of_a_size_split_over_two_calls(tmp_path):
+    """A size's arms in two calls at one commit, each with its merged-BF16 baseline: both baselines stay, each arm's
+    ratio is against its own call's; a re-run at a later commit replaces both."""
+    import json
+
+    def result(name, commit, run, rows):
+        path = tmp_path / name / "rollout-h100.json"
+        path.parent.mkdir()
+        rows = [dict(r, size="14b", batch=1, status="ok", commit=commit, run=run) for r in rows]
+        path.write_text(json.dumps({"benchmark": "rollout", "gpu": "H100", "versions": {}, "commit": commit,
+                                    "command": "c", "rows": rows}))
+        return str(path)
+
+    first = result("a", "ccc", "r1", [dict(arm="bf16_merged", tokens_per_s=100.0),
+                                      dict(arm="nvfp4_qerl_lora", tokens_per_s=130.0)])
+    second = result("b", "ccc", "r2", [dict(arm="bf16_merged", tokens_per_s=90.0),
+                                       dict(arm="nvfp4_vllm_lora", tokens_per_s=99.0)])
+    env = json.loads(open(rollout.merge([first, second], str(tmp_path / "out"))).read())
+    got = {(r["arm"], r["run"]): r["vs_bf16_merged"] for r in env["rows"]}
+    assert got == {("bf16_merged", "r1"): 1.0, ("nvfp4_qerl_lora", "r1"): 1.3, ("bf16_merged", "r2"): 1.0,
+                   ("nvfp4_vllm_lora", "r2"): 1.1}
+    later = result("c", "ddd", "r3", [dict(arm="bf16_merged", tokens_per_s=80.0)])
+    env = json.loads(open(rollout.merge([first, second, later], str(tmp_path / "out2"))).read())
+    assert [(r["arm"], r["run"]) for r in env["rows"]] == [("nvfp4_qerl_lora", "r1"), ("nvfp4_vllm_lora", "r2"),
+                                                           ("bf16_merged", "r3")]
+
+
 def test_32b_bf16_is_served_from_vllms_dummy_loader(tmp_path):
     """No 32B BF16 checkpoint fits the GPU machine's disk: the merged-BF16 arm gets a config-only directory (with the
     tokenizer) and load_format="dummy"; 7B and the NVFP4 arms read the checkpoints prepare_checkpoints writes."""
