@@ -149,7 +149,7 @@ def run_check(
     max_steps: int = 6,
     sleep_mode: bool = False,
     max_completion_length: int = 48,
-    lora_backend: str = "vllm",
+    lora_backend: str = "qerl",
 ) -> list[dict]:
     from datasets import Dataset
 
@@ -309,7 +309,7 @@ def main():
     ap.add_argument("--work", default="/tmp/qerl-colocate")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--sleep", action="store_true", help="also vllm_enable_sleep_mode=True (sleep level 1)")
-    ap.add_argument("--lora_backend", default="vllm", choices=["vllm", "qerl"], help="QeRLGRPOConfig.vllm_lora_backend")
+    ap.add_argument("--lora_backend", default="qerl", choices=["qerl", "vllm"], help="QeRLGRPOConfig.vllm_lora_backend")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from benchmarks._common import gpu_tag, result_envelope

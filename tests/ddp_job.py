@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--use_vllm", action="store_true")
     p.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
-    p.add_argument("--vllm_lora_backend", default="vllm", choices=["vllm", "qerl"])
+    p.add_argument("--vllm_lora_backend", default="qerl", choices=["qerl", "vllm"])
     p.add_argument("--cache_dir", default=None)
     p.add_argument("--cache_only", action="store_true", help="only prepare vLLM's NVFP4 checkpoint in --cache_dir")
     a = p.parse_args()

@@ -1,10 +1,9 @@
 """The job users run, at the largest size we claim: a Qwen2.5-32B-shaped random model on one 80 GB GPU.
 
-``pytest -m vllm`` on the GPU machine (its own ``scripts/gpu_suite.py`` part: with the 20 GiB checkpoint's write it took
-9.5 minutes of a 10-minute call at aa48af6; ``python -m benchmarks.random_models nvfp4 --size qwen2.5-32b --out
-$QERL_E2E_WORK/32b-nvfp4 --device cuda`` in an earlier call on the same machine writes it ahead). One GRPO step of
-8 completions x 2048 tokens runs with vLLM colocate (in a child process, through ``benchmarks/e2e_step.py``), and its
-peak is recorded.
+``pytest -m vllm`` on the GPU machine (its own ``scripts/gpu_suite.py`` part, after ``checkpoint_32b``, whose test
+writes the 20 GiB checkpoint under ``$QERL_E2E_WORK``: with that write inside, this part took 9.5 minutes of a
+10-minute call at aa48af6; run alone, it still writes the checkpoint first). One GRPO step of 8 completions x 2048
+tokens runs with vLLM colocate (in a child process, through ``benchmarks/e2e_step.py``), and its peak is recorded.
 """
 
 from __future__ import annotations

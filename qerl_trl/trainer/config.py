@@ -55,21 +55,20 @@ class QeRLGRPOConfig(GRPOConfig):
 
         > vLLM LoRA serving (colocate mode)
 
-        vllm_lora_backend (`str`, defaults to `"vllm"`):
-            How the colocated engine serves the LoRA. `"vllm"`: vLLM's LoRA adapters (punica kernels; the adapter
-            handed over as files each step). `"qerl"`: QeRL's vLLM quantization method `qerl_nvfp4_lora`, which
-            builds the one LoRA into each NVFP4 linear and updates it in place each step (no adapter files, any
-            rank). On an H100, in one run per table, it decoded 1.18x faster than `"vllm"` at 7B batch 1 and 1.06x
-            at batch 16, the 7B training step at 2 x 8 x 512 took 4.58 s against 4.99 s with `"vllm"` and 5.77 s
-            with TRL BF16-LoRA, and it passed the colocate check (README, "Serving the LoRA in vLLM"). It becomes
-            the default once the step's other two settings and the whole GPU suite have passed on it (issue #25).
+        vllm_lora_backend (`str`, defaults to `"qerl"`):
+            How the colocated engine serves the LoRA. `"qerl"`: QeRL's vLLM quantization method `qerl_nvfp4_lora`,
+            which builds the one LoRA into each NVFP4 linear and updates it in place each step (no adapter files, any
+            rank). `"vllm"`: vLLM's LoRA adapters (punica kernels; the adapter handed over as files each step). On an
+            H100 (7B, README "Measured results"), the step with `"qerl"` took 4.58 s against 4.99 s at 2 x 8 x 512
+            and 18.36 s against 18.65 s at 2 x 8 x 2048, and 11.80 s against 11.48 s at 8 x 8 x 512 (inside both
+            arms' spread): where each engine generates 64 or more sequences a round, `"vllm"` may be as fast.
         vllm_max_lora_rank (`int`, *optional*):
-            vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320,
+            With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320,
             512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is served padded to it (logged).
         vllm_enforce_eager (`bool`, defaults to `False`): run vLLM without torch.compile / CUDA graphs.
         vllm_lora_sync_dir (`str`, defaults to `"/dev/shm"`):
-            RAM-backed directory through which each round's adapter is handed to vLLM (deleted right after the
-            load; never persistent disk).
+            With `vllm_lora_backend="vllm"`: the RAM-backed directory through which each round's adapter is handed
+            to vLLM (deleted right after the load; never persistent disk).
         vllm_max_logprob_gap (`float` or `None`, defaults to `2.0`):
             Stop training when, for 3 generation rounds in a row, the mean |log p_vLLM − log p_trainer| per
             completion token exceeds this many nats (or most of vLLM's log-probs are NaN): the engine is not serving
@@ -120,11 +119,11 @@ class QeRLGRPOConfig(GRPOConfig):
 
     # vLLM LoRA serving
     vllm_lora_backend: str = field(
-        default="vllm",
+        default="qerl",
         metadata={
-            "help": "How vLLM serves the LoRA: 'vllm' (vLLM's LoRA adapters) or 'qerl' (built into QeRL's NVFP4 "
-            "quantization method, updated in place).",
-            "choices": ["vllm", "qerl"],
+            "help": "How vLLM serves the LoRA: 'qerl' (built into QeRL's NVFP4 quantization method, updated in "
+            "place; the default) or 'vllm' (vLLM's LoRA adapters).",
+            "choices": ["qerl", "vllm"],
         },
     )
     vllm_max_lora_rank: int | None = field(

@@ -17,4 +17,4 @@ class VLLMServingSpec:
     enforce_eager: bool = False
     lora_sync_dir: str = "/dev/shm"
     dtype: str = "bfloat16"
-    lora_backend: str = "vllm"  # "vllm": vLLM's LoRA adapters; "qerl": the LoRA inside our quantization method
+    lora_backend: str = "qerl"  # "qerl": the LoRA inside our quantization method; "vllm": vLLM's LoRA adapters
