@@ -60,8 +60,9 @@ class QeRLGRPOConfig(GRPOConfig):
             which builds the one LoRA into each NVFP4 linear and updates it in place each step (no adapter files, any
             rank). `"vllm"`: vLLM's LoRA adapters (punica kernels; the adapter handed over as files each step). On an
             H100 (7B, README "Measured results"), the step with `"qerl"` took 4.58 s against 4.99 s at 2 x 8 x 512
-            and 18.36 s against 18.65 s at 2 x 8 x 2048, and 11.80 s against 11.48 s at 8 x 8 x 512 (inside both
-            arms' spread): where each engine generates 64 or more sequences a round, `"vllm"` may be as fast.
+            (one run), 1.16x against 1.13x TRL BF16-LoRA at 2 x 8 x 2048 (each beside its own TRL arm), and 11.80 s
+            against 11.48 s at 8 x 8 x 512 (one run, inside both arms' spread): where each engine generates 64 or
+            more sequences a round, `"vllm"` may be as fast.
         vllm_max_lora_rank (`int`, *optional*):
             With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320,
             512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is served padded to it (logged).
