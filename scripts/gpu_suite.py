@@ -30,7 +30,7 @@ PARTS: dict[str, tuple[list[str], str]] = {
     "real_shape": (["tests/test_real_shape_colocate.py"], "1.5B colocate training, AQN and sleep mode on (126 s)"),
     # the 32B memory step took 9.5 min with its checkpoint's write at aa48af6: the write is its own part, run first
     "checkpoint_32b": (["tests/test_checkpoint_32b.py"], "writes and checks the 32B NVFP4 checkpoint (not yet timed)"),
-    "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step on checkpoint_32b's checkpoint (not yet timed)"),
+    "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step on the checkpoint above (not yet timed)"),
     "multi_gpu": (["tests/test_multi_gpu.py"], "DDP and TP=2 jobs, both LoRA backends: needs 2 GPUs (not timed)"),
 }
 

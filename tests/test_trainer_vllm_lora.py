@@ -257,13 +257,12 @@ def test_the_default_backend_is_the_in_layer_lora():
     """Issue #25 decided the default on the measured step (README, "Why "qerl" is the default"): a config that names
     no backend builds the engine on our quantization method, with no adapter slots."""
     from qerl_trl import QeRLGRPOConfig
-    from qerl_trl.vllm_plugin import QUANT_NAME
 
     args = QeRLGRPOConfig(output_dir="/tmp/x", bf16=False, use_cpu=True, report_to="none")
-    assert args.vllm_lora_backend == "qerl"
-    backend = vl.LORA_BACKENDS[args.vllm_lora_backend](vl.VLLMServingSpec(checkpoint="c", tokenizer="c", max_lora_rank=8))
+    spec = vl.VLLMServingSpec(checkpoint="c", tokenizer="c", max_lora_rank=8)
+    assert args.vllm_lora_backend == spec.lora_backend == "qerl"
+    backend = vl.LORA_BACKENDS[args.vllm_lora_backend](spec)
     assert isinstance(backend, vl.InLayerLoRABackend) and not backend.uses_lora_request
-    assert vl.LORA_BACKENDS[vl.VLLMServingSpec(checkpoint="c", tokenizer="c", max_lora_rank=8).lora_backend] is type(backend)
 
 
 def test_config_rejects_an_unknown_lora_backend():

@@ -64,8 +64,9 @@ class QeRLGRPOConfig(GRPOConfig):
             against 11.48 s at 8 x 8 x 512 (one run, inside both arms' spread): where each engine generates 64 or
             more sequences a round, `"vllm"` may be as fast.
         vllm_max_lora_rank (`int`, *optional*):
-            With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts (1, 8, 16, 32, 64, 128, 256, 320,
-            512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is served padded to it (logged).
+            With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts
+            (1, 8, 16, 32, 64, 128, 256, 320, 512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is
+            served padded to it (logged).
         vllm_enforce_eager (`bool`, defaults to `False`): run vLLM without torch.compile / CUDA graphs.
         vllm_lora_sync_dir (`str`, defaults to `"/dev/shm"`):
             With `vllm_lora_backend="vllm"`: the RAM-backed directory through which each round's adapter is handed
