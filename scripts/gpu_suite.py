@@ -2,6 +2,7 @@
 
     python scripts/gpu_suite.py --list          # the parts and their tests
     python scripts/gpu_suite.py kernels         # one part (extra arguments go to pytest)
+    python scripts/gpu_suite.py kernels --record benchmarks/results   # and add its outcome and time to the record
 
 Every GPU test belongs to exactly one part (``tests/test_gpu_suite.py`` checks it on CPU), so running every part
 at one commit is running the whole suite there. A part runs pytest with ``-m "gpu or vllm"`` and its files. Run them
@@ -12,27 +13,33 @@ in the order listed on one machine: ``real_shape_32b`` reuses the checkpoint ``c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: part -> (pytest arguments, what it holds and its time in one H100 call at the commit named; vLLM's compile cache
-#: may have been warm from an earlier part in the same lease)
+#: part -> (pytest arguments, what it holds). Each part's measured time is a row of RESULTS (``--record``): the
+#: rows name their commit and GPU, and ``--list`` shows the newest. vLLM's compile cache may have been warm from an
+#: earlier part on the same machine.
 PARTS: dict[str, tuple[list[str], str]] = {
     "kernels": (["-m", "gpu and not vllm", "tests", "--ignore", "tests/test_checkpoint_32b.py"],
-                "NVFP4 kernels, quantizer on CUDA (215 tests, 292 s at aa48af6)"),
-    "colocate": (["tests/test_trainer_vllm_gpu.py"], "SmolLM2 colocate check per LoRA backend (291 s at e987368)"),
+                "NVFP4 kernels, quantizer on CUDA"),
+    "colocate": (["tests/test_trainer_vllm_gpu.py"], "SmolLM2 colocate check per LoRA backend"),
     "vllm_layers": (["tests/test_single_lora_vllm.py", "tests/test_trainer_dropin.py"],
-                    "single-LoRA layers on real Marlin, the drop-in forms under colocate (238 s)"),
-    "learning": (["tests/test_learning_gpu.py"], "compare, three arms on one GPU (313 s)"),
-    "real_shape": (["tests/test_real_shape_colocate.py"], "1.5B colocate training, AQN and sleep mode on (126 s)"),
+                    "single-LoRA layers on real Marlin, the drop-in forms under colocate"),
+    "learning": (["tests/test_learning_gpu.py"], "compare, three arms on one GPU"),
+    "real_shape": (["tests/test_real_shape_colocate.py"], "1.5B colocate training, AQN and sleep mode on"),
     # the 32B memory step took 9.5 min with its checkpoint's write at aa48af6: the write is its own part, run first
-    "checkpoint_32b": (["tests/test_checkpoint_32b.py"], "writes and checks the 32B NVFP4 checkpoint (not yet timed)"),
-    "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step on the checkpoint above (not yet timed)"),
-    "multi_gpu": (["tests/test_multi_gpu.py"], "DDP and TP=2 jobs, both LoRA backends: needs 2 GPUs (not timed)"),
+    "checkpoint_32b": (["tests/test_checkpoint_32b.py"], "writes and checks the 32B NVFP4 checkpoint"),
+    "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step on the checkpoint above"),
+    "multi_gpu": (["tests/test_multi_gpu.py"], "DDP and TP=2 jobs, both LoRA backends: needs 2 GPUs"),
 }
+
+#: the committed record of the parts' runs on an H100 (``--record benchmarks/results`` writes it on one)
+RESULTS = os.path.join(REPO, "benchmarks", "results", "gpu_suite-h100.json")
 
 
 def pytest_args(part: str) -> list[str]:
@@ -40,17 +47,63 @@ def pytest_args(part: str) -> list[str]:
     return args if "-m" in args else ["-m", "gpu or vllm", *args]
 
 
+def _rows(path: str) -> list[dict]:
+    """The rows recorded in ``path``, oldest first (none if the file is missing)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return list(json.load(f)["rows"])
+
+
+def _run_part(part: str, rest: list[str]) -> tuple[int, str, float]:
+    """Runs the part's pytest, echoing its output; returns (exit code, pytest's summary line, seconds)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args(part), *rest]
+    t0 = time.monotonic()
+    last = ""
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if line.strip():
+                last = line.strip()
+    return proc.returncode, last.strip("= "), time.monotonic() - t0
+
+
+def record(out_dir: str, part: str, rc: int, summary: str, seconds: float) -> str:
+    """Adds the part's row to ``<out_dir>/gpu_suite-<gpu>.json`` (a later row of the same part and commit replaces
+    it); returns the path. Written so that a suite run leaves what passed, at which commit, on which GPU, and how
+    long each part took, rather than a timing copied into a docstring by hand."""
+    sys.path.insert(0, REPO)
+    from benchmarks._common import git_commit, gpu_tag, gpu_uuid, write_result  # torch: only on a recording run
+
+    commit = git_commit()
+    row = {"part": part, "status": "passed" if rc == 0 else "failed", "rc": rc, "summary": summary,
+           "wall_s": round(seconds, 1), "commit": commit, "gpu_uuid": gpu_uuid(),
+           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    path = os.path.join(out_dir, f"gpu_suite-{gpu_tag()}.json")
+    rows = [r for r in _rows(path) if not (r["part"] == part and r["commit"] == commit)] + [row]
+    command = "python scripts/gpu_suite.py PART --record " + out_dir + " (one row per part)"
+    return write_result("gpu_suite", rows, out_dir, command)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", nargs="?", choices=list(PARTS))
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--record", metavar="DIR", help="add the part's outcome and time to DIR/gpu_suite-<gpu>.json")
     a, rest = ap.parse_known_args(argv)
     if a.list or not a.part:
-        for name, (args, minutes) in PARTS.items():
-            print(f"{name:14s} {minutes:62s} pytest {' '.join(pytest_args(name))}")
+        newest = {row["part"]: row for row in _rows(RESULTS)}  # the newest row of each part
+        for name, (_, what) in PARTS.items():
+            row = newest.get(name)
+            seen = f"{row['status']} in {row['wall_s']:.0f} s at {row['commit'][:7]}" if row else "not yet run"
+            print(f"{name:15s} {what:70s} {seen:30s} pytest {' '.join(pytest_args(name))}")
         return 0
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args(a.part), *rest],
-                           cwd=REPO)  # fmt: skip
+    rc, summary, seconds = _run_part(a.part, rest)
+    if a.record:
+        print(f"gpu_suite: {a.part} {summary!r} in {seconds:.0f} s -> {record(a.record, a.part, rc, summary, seconds)}")
+    return rc
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,3 +39,23 @@ def test_every_gpu_test_is_in_exactly_one_part():
             assert test not in seen, f"{test} is in parts {seen[test]} and {part}"
             seen[test] = part
     assert set(seen) == whole, sorted(whole - set(seen))[:5]
+
+
+def test_a_recorded_part_leaves_its_outcome_commit_and_time(tmp_path, monkeypatch, capsys):
+    tiny = tmp_path / "test_tiny.py"
+    tiny.write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_ok():\n    pass\n\n\n"
+                    "@pytest.mark.gpu\ndef test_bad():\n    assert False\n")  # fmt: skip
+    monkeypatch.setitem(gpu_suite.PARTS, "tiny", ([str(tiny)], "one passing and one failing test"))
+    monkeypatch.setenv("QERL_COMMIT", "a" * 40)
+    out = tmp_path / "out"
+
+    assert gpu_suite.main(["tiny", "--record", str(out), "-k", "ok"]) == 0
+    assert gpu_suite.main(["tiny", "--record", str(out)]) == 1  # the same part at the same commit again: replaces
+
+    (path,) = out.iterdir()
+    result = json.loads(path.read_text())
+    assert set(result) == {"benchmark", "gpu", "versions", "commit", "command", "rows"}
+    (row,) = result["rows"]
+    assert (row["part"], row["status"], row["rc"], row["commit"]) == ("tiny", "failed", 1, "a" * 40)
+    assert "1 failed, 1 passed" in row["summary"] and row["wall_s"] > 0
+    assert "test_bad" in capsys.readouterr().out  # pytest's output still reaches the console
