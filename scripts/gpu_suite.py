@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -55,6 +56,10 @@ def _rows(path: str) -> list[dict]:
         return list(json.load(f)["rows"])
 
 
+#: pytest's closing line: "2 passed, 1 skipped in 3.1s", "1 failed, 1 passed in 0.2s", "no tests ran in 0.1s"
+SUMMARY = re.compile(r"\b(passed|failed|errors?|no tests ran)\b.* in \d+(\.\d+)?s\b")
+
+
 def _run_part(part: str, rest: list[str]) -> tuple[int, str, float]:
     """Runs the part's pytest, echoing its output; returns (exit code, pytest's summary line, seconds)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args(part), *rest]
@@ -65,7 +70,7 @@ def _run_part(part: str, rest: list[str]) -> tuple[int, str, float]:
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
-            if line.strip():
+            if SUMMARY.search(line):  # not simply the last line: NCCL and vLLM print warnings after pytest's summary
                 last = line.strip()
     return proc.returncode, last.strip("= "), time.monotonic() - t0
 
@@ -87,6 +92,14 @@ def record(out_dir: str, part: str, rc: int, summary: str, seconds: float) -> st
     return write_result("gpu_suite", rows, out_dir, command)
 
 
+def _seen(row: dict | None) -> str:
+    """'passed in 278 s at a29dbda', 'not_run at a29dbda' (the status up to its reason), or 'not yet run'."""
+    if row is None:
+        return "not yet run"
+    took = f" in {row['wall_s']:.0f} s" if row.get("wall_s") is not None else ""
+    return f"{row['status'].split(':')[0]}{took} at {str(row.get('commit'))[:7]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", nargs="?", choices=list(PARTS))
@@ -97,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         newest = {row["part"]: row for row in _rows(RESULTS)}  # the newest row of each part
         for name, (_, what) in PARTS.items():
             row = newest.get(name)
-            seen = f"{row['status']} in {row['wall_s']:.0f} s at {row['commit'][:7]}" if row else "not yet run"
-            print(f"{name:15s} {what:70s} {seen:30s} pytest {' '.join(pytest_args(name))}")
+            seen = _seen(row)
+            print(f"{name:15s} {what:70s} {seen:34s} pytest {' '.join(pytest_args(name))}")
         return 0
     rc, summary, seconds = _run_part(a.part, rest)
     if a.record:

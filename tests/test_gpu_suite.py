@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -43,8 +44,25 @@ def test_every_gpu_test_is_in_exactly_one_part():
 
 def test_a_recorded_part_leaves_its_outcome_commit_and_time(tmp_path, monkeypatch, capsys):
     tiny = tmp_path / "test_tiny.py"
-    tiny.write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_ok():\n    pass\n\n\n"
-                    "@pytest.mark.gpu\ndef test_bad():\n    assert False\n")  # fmt: skip
+    tiny.write_text(textwrap.dedent("""
+        import atexit
+
+        import pytest
+
+
+        @pytest.mark.gpu
+        def test_ok():
+            pass
+
+
+        @pytest.mark.gpu
+        def test_bad():
+            assert False
+
+
+        def teardown_module():  # as NCCL does at exit: a line after pytest's summary, which the record must skip
+            atexit.register(print, "[rank0]: Warning: destroy_process_group() was not called")
+    """))
     monkeypatch.setitem(gpu_suite.PARTS, "tiny", ([str(tiny)], "one passing and one failing test"))
     monkeypatch.setenv("QERL_COMMIT", "a" * 40)
     out = tmp_path / "out"
@@ -57,5 +75,18 @@ def test_a_recorded_part_leaves_its_outcome_commit_and_time(tmp_path, monkeypatc
     assert set(result) == {"benchmark", "gpu", "versions", "commit", "command", "rows"}
     (row,) = result["rows"]
     assert (row["part"], row["status"], row["rc"], row["commit"]) == ("tiny", "failed", 1, "a" * 40)
-    assert "1 failed, 1 passed" in row["summary"] and row["wall_s"] > 0
+    assert row["summary"].startswith("1 failed, 1 passed") and " in " in row["summary"] and row["wall_s"] > 0
     assert "test_bad" in capsys.readouterr().out  # pytest's output still reaches the console
+
+
+def test_the_list_shows_each_parts_newest_record(tmp_path, monkeypatch, capsys):
+    record = tmp_path / "gpu_suite-h100.json"
+    rows = [{"part": "kernels", "status": "failed", "wall_s": 300.0, "commit": "1" * 40},
+            {"part": "kernels", "status": "passed", "wall_s": 278.4, "commit": "2" * 40},
+            {"part": "multi_gpu", "status": "not_run: needs 2 GPUs", "wall_s": None, "commit": "2" * 40}]  # fmt: skip
+    record.write_text(json.dumps({"rows": rows}))
+    monkeypatch.setattr(gpu_suite, "RESULTS", str(record))
+    assert gpu_suite.main(["--list"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "passed in 278 s at 2222222" in lines["kernels"]
+    assert "not_run at 2222222" in lines["multi_gpu"] and "not yet run" in lines["colocate"]

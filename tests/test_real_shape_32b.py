@@ -1,9 +1,9 @@
 """The job users run, at the largest size we claim: a Qwen2.5-32B-shaped random model on one 80 GB GPU.
 
 ``pytest -m vllm`` on the GPU machine (its own ``scripts/gpu_suite.py`` part, after ``checkpoint_32b``, whose test
-writes the 20 GiB checkpoint under ``$QERL_E2E_WORK``: with that write inside, this part took 9.5 minutes of a
-10-minute call at aa48af6; run alone, it still writes the checkpoint first). One GRPO step of 8 completions x 2048
-tokens runs with vLLM colocate (in a child process, through ``benchmarks/e2e_step.py``), and its peak is recorded.
+writes the 20 GiB checkpoint under ``$QERL_E2E_WORK``, 51 s at a29dbda; run alone, this part writes it first). Two
+GRPO steps of 8 completions x 2048 tokens run with vLLM colocate, sleep mode, AQN and the default LoRA backend (in a
+child process, through ``benchmarks/e2e_step.py``), and the peak device memory is recorded.
 """
 
 from __future__ import annotations
@@ -16,13 +16,28 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORK = os.environ.get("QERL_E2E_WORK", "/tmp/qerl-e2e")
 ARTIFACTS = os.environ.get("QERL_TEST_ARTIFACTS")  # where the test also writes its row (the GPU run's $OUT)
 
 
+def _default_arm() -> str:
+    """The e2e_step arm that serves the LoRA through QeRLGRPOConfig's default ``vllm_lora_backend``: the job users
+    run (``"qerl"`` since d4c731d; the test ran the ``"vllm"`` backend before)."""
+    sys.path.insert(0, REPO)
+    from benchmarks.e2e_step import QERL_ARMS
+    from qerl_trl import QeRLGRPOConfig
+
+    default = QeRLGRPOConfig.__dataclass_fields__["vllm_lora_backend"].default
+    return next(arm for arm, backend in QERL_ARMS.items() if backend == default)
+
+
+def test_the_32b_step_runs_the_default_lora_backend():
+    assert _default_arm() == "qerl_single_lora"
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
 def test_qwen25_32b_step_fits_on_an_80gb_gpu(tmp_path):
     pytest.importorskip("vllm")
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -35,7 +50,7 @@ def test_qwen25_32b_step_fits_on_an_80gb_gpu(tmp_path):
     out = os.path.join(ARTIFACTS or str(tmp_path), "e2e_step-32b-rows.jsonl")  # kept: a benchmark row too
     if os.path.exists(out):
         os.remove(out)
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "e2e_step.py"), "--sizes", "32b", "--arms", "qerl",
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "e2e_step.py"), "--sizes", "32b", "--arms", _default_arm(),
            "--steps", "2", "--work", WORK, "--out-dir", str(tmp_path), "--jsonl", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     with open(out) as f:
