@@ -19,6 +19,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORK = os.environ.get("QERL_E2E_WORK", "/tmp/qerl-e2e")
 ARTIFACTS = os.environ.get("QERL_TEST_ARTIFACTS")  # where the test also writes its row (the GPU run's $OUT)
+#: the step's own limit (e2e_step's per-row timeout: a slower step is a "timeout" row, and the test fails saying so)
+#: inside the device's 10-minute call, so an over-long part is recorded rather than killed
+STEP_TIMEOUT_S = 540
 
 
 def _default_arm() -> str:
@@ -51,8 +54,10 @@ def test_qwen25_32b_step_fits_on_an_80gb_gpu(tmp_path):
     if os.path.exists(out):
         os.remove(out)
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "e2e_step.py"), "--sizes", "32b", "--arms", _default_arm(),
-           "--steps", "2", "--work", WORK, "--out-dir", str(tmp_path), "--jsonl", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+           "--steps", "2", "--timeout", str(STEP_TIMEOUT_S), "--work", WORK, "--out-dir", str(tmp_path),
+           "--jsonl", str(out)]
+    # the backstop allows for the checkpoint's write when this part runs alone
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=STEP_TIMEOUT_S + 300)
     with open(out) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in rows if "_meta" not in r]
