@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.list or not a.part:
         newest = {row["part"]: row for row in _rows(RESULTS)}  # the newest row of each part
         for name, (_, what) in PARTS.items():
-            row = newest.get(name)
-            seen = _seen(row)
-            print(f"{name:15s} {what:70s} {seen:34s} pytest {' '.join(pytest_args(name))}")
+            print(f"{name:15s} {what:70s} {_seen(newest.get(name)):34s} pytest {' '.join(pytest_args(name))}")
         return 0
     rc, summary, seconds = _run_part(a.part, rest)
     if a.record:
