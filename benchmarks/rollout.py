@@ -2,6 +2,7 @@
 
     python benchmarks/rollout.py --sizes 7b --out-dir benchmarks/results        # -> rollout-<gpu>.json
     python benchmarks/rollout.py --sizes 7b 14b --batches 1 8 16 64 128 --arms bf16_merged nvfp4
+    python benchmarks/rollout.py --sizes 32b --deadline 580 --out-dir $OUT   # inside a 600 s device call
 
 Arms, each one vLLM engine in its own process (random weights; ``ignore_eos`` so every sequence decodes
 ``--gen-len`` tokens in every arm):
@@ -21,7 +22,9 @@ A row per (size, arm, batch): ``tokens_per_s`` (generated tokens over the wall t
 ``ms_per_token_step`` and ``vs_bf16_merged``; ``weights`` (where they came from), ``kv_tokens`` (the engine's KV
 cache capacity) and ``kv_limited`` (the batch's tokens exceed it, so vLLM ran fewer sequences at once). An engine
 that fails or runs out of memory gives rows with its status. Every row keeps its ``commit`` and ``run`` (one
-invocation: one machine, a size's arms back to back); ratios are computed only within a run.
+invocation: one machine, a size's arms back to back); ratios are computed only within a run. ``--deadline`` makes a
+call that runs out of time end as rows too (an engine cut short is a ``timeout`` row with its log's tail, one that
+could not start a ``not_run`` row), instead of being killed by the device with nothing written.
 
     python benchmarks/rollout.py --merge benchmarks/results/rollout-h100.json /tmp/out/rollout-h100.json \
         --out-dir benchmarks/results        # later rows replace earlier ones of the same size, arm and batch
@@ -50,6 +53,10 @@ GPU_MEMORY_UTILIZATION = 0.85
 #: for the BF16 arm served from vLLM's dummy loader (32B: 65 GB of weights, which 0.85 of an 80 GB GPU barely holds)
 DUMMY_BF16_GPU_MEMORY_UTILIZATION = 0.93
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: with ``--deadline``: seconds kept back to write the rows before the device call's own limit kills the process
+DEADLINE_MARGIN_S = 15.0
+#: with ``--deadline``: an engine is not started with less time than this left (none has started in under a minute)
+MIN_ENGINE_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +273,43 @@ def merge(files: list[str], out_dir: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ driver
+def engine_timeout(timeout: float, deadline: float | None, elapsed: float) -> float | None:
+    """Seconds the next engine may run: ``--timeout``, cut to what ``--deadline`` leaves after ``elapsed`` seconds
+    less ``DEADLINE_MARGIN_S``; None when that is under ``MIN_ENGINE_S``, so the arm is recorded as not run.
+
+    The device machine kills a call at its limit without warning: an engine still running then leaves no row. With
+    a deadline a little under that limit, every arm ends as rows (measured, ``timeout`` or ``not_run``)."""
+    if deadline is None:
+        return timeout
+    left = deadline - elapsed - DEADLINE_MARGIN_S
+    return min(timeout, left) if left >= MIN_ENGINE_S else None
+
+
+def run_arm(spec: EngineSpec, work: str, timeout: float) -> list[dict]:
+    """One engine in its own process (``--child``): its rows, or rows with the failure's status. The child's output
+    goes to ``<work>/rollout-<size>-<arm>.log``; a failed or timed-out engine's rows keep its tail (where it
+    stopped: loading, compiling, capturing CUDA graphs)."""
+    out = os.path.join(work, "rollout-rows.json")
+    if os.path.exists(out):
+        os.remove(out)
+    log_path = os.path.join(work, f"rollout-{spec.size}-{spec.arm}.log")
+    cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(spec)), "--work", work,
+           "--rows-out", out]  # fmt: skip
+    with open(log_path, "w") as log_file:
+        try:
+            subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            status = None
+        except subprocess.TimeoutExpired:
+            status = f"timeout after {timeout:.0f} s"
+    with open(log_path, errors="replace") as f:
+        log = f.read()[-5000:]
+    if status is None and os.path.exists(out):
+        with open(out) as f:
+            return json.load(f)
+    status = status or f"failed: {log[-300:]}"
+    return [dict(size=spec.size, arm=spec.arm, batch=b, status=status, log_tail=log) for b in spec.batches]
+
+
 def main(argv: list[str] | None = None) -> str | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="*", default=["7b"], help="of benchmarks/e2e_step.py's SIZES")
@@ -277,6 +321,10 @@ def main(argv: list[str] | None = None) -> str | None:
     ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints (shared with e2e_step.py)")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from start by which every engine must have ended (set it a little under the "
+                    "device call's limit): an engine gets at most what is left, and one that cannot start in time is "
+                    "recorded as not run, so a cut-off call still leaves a row per arm")
     ap.add_argument("--merge", nargs="*", help="result files to merge into <out-dir>/rollout-<gpu>.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
@@ -294,6 +342,7 @@ def main(argv: list[str] | None = None) -> str | None:
     from benchmarks import e2e_step as e2e
     from benchmarks._common import git_commit, gpu_uuid, new_run_id, write_result
 
+    start = time.monotonic()
     run, commit, uuid = new_run_id(), git_commit(), gpu_uuid()
     rows: list[dict] = []
     path = None
@@ -302,22 +351,13 @@ def main(argv: list[str] | None = None) -> str | None:
         e2e.prepare_checkpoints(a.work, size, need_bf16=need_bf16)
         for arm in a.arms:
             spec = EngineSpec(size, arm, tuple(a.batches), a.prompt_len, a.gen_len, a.lora_r)
-            out = os.path.join(a.work, "rollout-rows.json")
-            if os.path.exists(out):
-                os.remove(out)
-            cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(spec)), "--work", a.work,
-                   "--rows-out", out]  # fmt: skip
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-                log = proc.stdout[-2000:] + proc.stderr[-3000:]
-            except subprocess.TimeoutExpired:
-                log = f"timeout after {a.timeout:.0f} s"
-            if os.path.exists(out):
-                with open(out) as f:
-                    got = json.load(f)
+            elapsed = time.monotonic() - start
+            limit = engine_timeout(a.timeout, a.deadline, elapsed)
+            if limit is None:
+                got = [dict(size=size, arm=arm, batch=b, status=f"not_run: {a.deadline - elapsed:.0f} s were left "
+                            f"of --deadline {a.deadline:.0f} s") for b in a.batches]  # fmt: skip
             else:
-                got = [dict(size=size, arm=arm, batch=b, status=f"failed: {log[-300:]}", log_tail=log)
-                       for b in a.batches]  # fmt: skip
+                got = run_arm(spec, a.work, limit)
             for r in got:
                 r.update(commit=commit, run=run, gpu_uuid=uuid)
             rows += got

@@ -1,6 +1,6 @@
 """CPU checks of ``benchmarks/rollout.py`` (the engines themselves run on the GPU machine): the random adapter is a
 valid PEFT LoRA on every linear of the model, speed-ups are against merged BF16 at the same size and batch, and the
-32B BF16 arm is served from vLLM's dummy loader."""
+32B BF16 arm is served from vLLM's dummy loader, and a call with ``--deadline`` ends with a row per arm."""
 
 from __future__ import annotations
 
@@ -122,3 +122,55 @@ def test_kv_cache_capacity_is_read_where_vllm_keeps_it():
     llm = NS(llm_engine=NS(vllm_config=NS(cache_config=NS(num_gpu_blocks=100, block_size=16))))
     assert rollout.kv_cache_tokens(llm) == 1600
     assert rollout.kv_cache_tokens(NS()) is None
+
+
+def test_engine_timeout_is_cut_to_the_deadline_and_refuses_a_late_start():
+    assert rollout.engine_timeout(900.0, None, 500.0) == 900.0
+    assert rollout.engine_timeout(240.0, 580.0, 100.0) == 240.0
+    assert rollout.engine_timeout(240.0, 580.0, 400.0) == 580.0 - 400.0 - rollout.DEADLINE_MARGIN_S
+    assert rollout.engine_timeout(240.0, 580.0, 580.0 - rollout.DEADLINE_MARGIN_S - 59.0) is None
+
+
+def test_a_call_with_a_deadline_leaves_a_row_per_arm_with_the_engines_log(tmp_path, monkeypatch):
+    """Three arms against a 400 s deadline: the first engine finishes (100 s), the second runs into its cut-down
+    timeout (its rows keep the log's tail), the third cannot start in time and is recorded as not run."""
+    import json
+    import subprocess
+
+    from benchmarks import e2e_step
+
+    clock = [0.0]
+    monkeypatch.setattr(rollout.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(e2e_step, "prepare_checkpoints", lambda *a, **k: None)
+    timeouts = []
+    real_run = subprocess.run
+
+    def fake_run(cmd, stdout=None, stderr=None, text=None, timeout=None, **kw):
+        if "--child" not in cmd:  # git, for the rows' commit
+            return real_run(cmd, stdout=stdout, stderr=stderr, text=text, timeout=timeout, **kw)
+        spec = json.loads(cmd[cmd.index("--child") + 1])
+        stdout.write(f"loading {spec['arm']}\nCapturing CUDA graphs 40%\n")
+        stdout.flush()
+        timeouts.append(timeout)
+        if spec["arm"] == "bf16_merged":
+            clock[0] += 100.0
+            rows = [dict(size=spec["size"], arm=spec["arm"], batch=b, status="ok", tokens_per_s=10.0)
+                    for b in spec["batches"]]  # fmt: skip
+            with open(cmd[cmd.index("--rows-out") + 1], "w") as f:
+                json.dump(rows, f)
+            return subprocess.CompletedProcess(cmd, 0)
+        clock[0] += timeout
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(rollout.subprocess, "run", fake_run)
+    path = rollout.main(["--sizes", "7b", "--arms", "bf16_merged", "nvfp4", "nvfp4_qerl_lora", "--batches", "1", "16",
+                         "--timeout", "600", "--deadline", "400", "--work", str(tmp_path), "--out-dir",
+                         str(tmp_path / "out")])  # fmt: skip
+    rows = json.load(open(path))["rows"]
+    by_arm = {r["arm"]: r for r in rows if r["batch"] == 16}
+    assert len(rows) == 6 and {r["run"] for r in rows} == {rows[0]["run"]}
+    assert by_arm["bf16_merged"]["status"] == "ok"
+    assert timeouts == [400.0 - rollout.DEADLINE_MARGIN_S, 400.0 - 100.0 - rollout.DEADLINE_MARGIN_S]
+    assert by_arm["nvfp4"]["status"] == "timeout after 285 s"
+    assert "Capturing CUDA graphs 40%" in by_arm["nvfp4"]["log_tail"]
+    assert by_arm["nvfp4_qerl_lora"]["status"].startswith("not_run: 15 s were left of --deadline 400 s")
