@@ -1,0 +1,89 @@
+"""README's measured tables must be the committed result files' rows (issue #25: "README's tables come from them").
+
+Each figure in the rollout tables (7B, 14B, 32B) and the GRPO step table of issue #25's settings is looked up in
+``benchmarks/results/*-h100.json`` by the run the README names, and must round to what README prints. A README edited
+by hand, or a result file re-merged without updating README, fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+RUN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{6}")
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+ROLLOUT_ARMS = {"merged BF16 (TRL)": "bf16_merged", "NVFP4 + vLLM's LoRA": "nvfp4_vllm_lora",
+                'NVFP4 + `"qerl"`': "nvfp4_qerl_lora", "NVFP4, no LoRA": "nvfp4"}  # fmt: skip
+STEP_ARMS = {"TRL BF16 LoRA": "trl_bf16", 'QeRL, `"vllm"`': "qerl", 'QeRL, `"qerl"` (default)': "qerl_single_lora"}
+
+
+def _rows(name: str) -> list[dict]:
+    return json.loads((ROOT / "benchmarks" / "results" / name).read_text())["rows"]
+
+
+def _close(printed: str, value: float) -> bool:
+    """``printed`` is ``value`` rounded to the digits it shows (half-way cases either way)."""
+    decimals = len(printed.partition(".")[2])
+    return abs(float(printed) - value) <= 0.5 * 10**-decimals + 1e-9
+
+
+def _table(header_start: str) -> tuple[str, list[str], list[list[str]]]:
+    """(the text before the table, header cells, body rows' cells) of the README table whose header starts so."""
+    lines = README.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith(header_start))
+    cells = lambda line: [c.strip().replace("**", "") for c in line.strip().strip("|").split("|")]  # noqa: E731
+    body = []
+    for line in lines[i + 2 :]:
+        if not line.startswith("|"):
+            break
+        body.append(cells(line))
+    return "\n".join(lines[:i]), cells(lines[i]), body
+
+
+@pytest.mark.parametrize("size", ["7b", "14b", "32b"])
+def test_rollout_tables_are_the_json_rows_of_the_run_they_name(size):
+    before, header, body = _table(f"| {size.upper()}, batch |")
+    run = RUN.findall(before)[-1]  # the run named in the paragraph above the table
+    rows = {(r["arm"], r["batch"]): r for r in _rows("rollout-h100.json") if r["size"] == size and r.get("run") == run}
+    assert rows, f"README's {size} rollout table names run {run}, which rollout-h100.json does not hold"
+    checked = 0
+    for cells in body:
+        batch = int(cells[0])
+        for col, cell in zip(header[1:], cells[1:]):
+            row = rows[(ROLLOUT_ARMS[col], batch)]
+            assert row["status"] == "ok"
+            figures = NUMBER.findall(cell)
+            assert _close(figures[0], row["tokens_per_s"]), (size, col, batch, cell, row["tokens_per_s"])
+            if "×" in cell:
+                assert _close(figures[1], row["vs_bf16_merged"]), (size, col, batch, cell, row["vs_bf16_merged"])
+            assert ("KV-limited" in cell) == bool(row.get("kv_limited")), (size, col, batch, cell)
+            checked += 1
+    assert checked >= 8
+
+
+def test_the_step_table_is_the_json_rows_of_the_runs_it_names():
+    _, header, body = _table("| setting | run (commit) |")
+    assert header == ["setting", "run (commit)", "arm", "step", "rollout / sync / rest", "peak", "× TRL BF16 LoRA"]
+    rows = _rows("e2e_step-h100.json")
+    setting = run = commit = None
+    for cells in body:
+        if cells[0]:
+            p, g, n, sleep = re.fullmatch(r"(\d+) × (\d+) × (\d+), (no sleep|sleep)", cells[0]).groups()
+            setting = (int(p), int(g), int(n), sleep == "sleep")
+            run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
+        arm = STEP_ARMS[cells[2]]
+        (row,) = [r for r in rows if r.get("run") == run and r["arm"] == arm and r["size"] == "7b"
+                  and (r["prompts"], r["generations"], r["completion_len"], r["sleep"]) == setting]  # fmt: skip
+        assert row["status"] == "ok" and row["commit"].startswith(commit), (run, arm)
+        step, low, high = NUMBER.findall(cells[3])
+        assert _close(step, row["step_s"]) and _close(low, row["step_s_min"]) and _close(high, row["step_s_max"])
+        rollout, sync, rest = NUMBER.findall(cells[4])
+        assert _close(rollout, row["rollout_s"]) and _close(sync, row["sync_s"]) and _close(rest, row["train_s"])
+        assert _close(NUMBER.findall(cells[5])[0], row["peak_gib"]), (run, arm, cells[5], row["peak_gib"])
+        assert _close(NUMBER.findall(cells[6])[0], row["speedup_vs_trl_bf16"]), (run, arm, cells[6])
