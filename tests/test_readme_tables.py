@@ -33,42 +33,51 @@ def _close(printed: str, value: float) -> bool:
     return abs(float(printed) - value) <= 0.5 * 10**-decimals + 1e-9
 
 
-def _table(header_start: str) -> tuple[str, list[str], list[list[str]]]:
-    """(the text before the table, header cells, body rows' cells) of the README table whose header starts so."""
+def _tables(header_start: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(the text before the table, header cells, body rows' cells) of each README table whose header starts so."""
     lines = README.splitlines()
-    i = next(k for k, line in enumerate(lines) if line.startswith(header_start))
     cells = lambda line: [c.strip().replace("**", "") for c in line.strip().strip("|").split("|")]  # noqa: E731
-    body = []
-    for line in lines[i + 2 :]:
-        if not line.startswith("|"):
-            break
-        body.append(cells(line))
-    return "\n".join(lines[:i]), cells(lines[i]), body
+    out = []
+    for i in (k for k, line in enumerate(lines) if line.startswith(header_start)):
+        body = []
+        for line in lines[i + 2 :]:
+            if not line.startswith("|"):
+                break
+            body.append(cells(line))
+        out.append(("\n".join(lines[:i]), cells(lines[i]), body))
+    return out
 
 
 @pytest.mark.parametrize("size", ["7b", "14b", "32b"])
 def test_rollout_tables_are_the_json_rows_of_the_run_they_name(size):
-    before, header, body = _table(f"| {size.upper()}, batch |")
-    run = RUN.findall(before.rstrip().split("\n\n")[-1])[0]  # the first run the paragraph above the table names
-    rows = {(r["arm"], r["batch"]): r for r in _rows("rollout-h100.json") if r["size"] == size and r.get("run") == run}
-    assert rows, f"README's {size} rollout table names run {run}, which rollout-h100.json does not hold"
-    checked = 0
-    for cells in body:
-        batch = int(cells[0])
-        for col, cell in zip(header[1:], cells[1:]):
-            row = rows[(ROLLOUT_ARMS[col], batch)]
-            assert row["status"] == "ok"
-            figures = NUMBER.findall(cell)
-            assert _close(figures[0], row["tokens_per_s"]), (size, col, batch, cell, row["tokens_per_s"])
-            if "×" in cell:
-                assert _close(figures[1], row["vs_bf16_merged"]), (size, col, batch, cell, row["vs_bf16_merged"])
-            assert ("KV-limited" in cell) == bool(row.get("kv_limited")), (size, col, batch, cell)
-            checked += 1
-    assert checked >= 8
+    tables = _tables(f"| {size.upper()}, batch |")
+    assert tables, f"README has no {size} rollout table"
+    arms_shown = set()
+    for before, header, body in tables:  # a size's arms may be split over runs: one table per run
+        run = RUN.findall(before.rstrip().split("\n\n")[-1])[0]  # the first run the paragraph above names
+        rows = {(r["arm"], r["batch"]): r for r in _rows("rollout-h100.json")
+                if r["size"] == size and r.get("run") == run}  # fmt: skip
+        assert rows, f"README's {size} rollout table names run {run}, which rollout-h100.json does not hold"
+        checked = 0
+        for cells in body:
+            batch = int(cells[0])
+            for col, cell in zip(header[1:], cells[1:]):
+                row = rows[(ROLLOUT_ARMS[col], batch)]
+                assert row["status"] == "ok"
+                figures = NUMBER.findall(cell)
+                assert _close(figures[0], row["tokens_per_s"]), (size, col, batch, cell, row["tokens_per_s"])
+                if "×" in cell:
+                    assert _close(figures[1], row["vs_bf16_merged"]), (size, col, batch, cell, row["vs_bf16_merged"])
+                assert ("KV-limited" in cell) == bool(row.get("kv_limited")), (size, col, batch, cell)
+                arms_shown.add(ROLLOUT_ARMS[col])
+                checked += 1
+        assert checked >= 8
+    missing = set(ROLLOUT_ARMS.values()) - arms_shown
+    assert not missing, f"README's {size} rollout tables leave out {missing}"
 
 
 def test_the_step_table_is_the_json_rows_of_the_runs_it_names():
-    _, header, body = _table("| setting | run (commit) |")
+    ((_, header, body),) = _tables("| setting | run (commit) |")
     assert header == ["setting", "run (commit)", "arm", "step", "rollout / sync / rest", "peak", "× TRL BF16 LoRA"]
     rows = _rows("e2e_step-h100.json")
     setting = run = commit = None
