@@ -7,7 +7,8 @@ A short GRPO run (use_vllm=True, vllm_mode="colocate") that checks, on the GPU m
    matrices are perturbed first so the adapter is far from zero);
 2. AQN noise is present in vLLM's norm weights at the scheduled σ (realized std within 10%) and absent at stage 0
    (norm weights kept float32 inside vLLM, see qerl_trl/trainer/vllm_serving/fp32_norms.py);
-3. the engine's quantized linears run vLLM's Marlin NVFP4 kernel;
+3. the engine's quantized linears run the FP4 kernel the trainer chose (``vllm_fp4_kernel="auto"``: Humming on a
+   Hopper GPU where its shapes fit, Marlin elsewhere; SmolLM2's 576-wide layers keep most linears on Marlin);
 4. TRL's importance-sampling ratio stays near 1;
 plus step times, LoRA sync seconds, rollout tokens/s and peak GPU memory.
 
@@ -24,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,6 +68,35 @@ def digit_reward(completions, **kwargs):
 
 def row(check, value, tolerance, ok, **extra):
     return {"check": check, "value": value, "tolerance": tolerance, "ok": ok, **extra}
+
+
+def record_aqn_in_vllm(trainer) -> tuple[list[dict], Any]:
+    """Record, after each round's sync, the AQN noise as vLLM's engine holds it: ``(rounds, stop)``. Each round:
+    step, σ and stage of the schedule, the realized std and max |noise| of the norm weights in vLLM, and their
+    dtypes there. ``stop()`` restores the trainer's own sync."""
+    gen = trainer.vllm_generation
+    clean = {k: v.detach().float().cpu() for k, v in trainer.aqn.clean_weights(trainer.model).items()}
+    names = set(clean)
+    rounds: list[dict] = []
+    original_sync = gen.sync_weights
+
+    def read_norms(m):
+        return {n: (p.detach().float().cpu(), str(p.dtype)) for n, p in m.named_parameters() if n in names}
+
+    def sync_and_record():
+        original_sync()
+        vals = gen.llm.apply_model(read_norms)[0]
+        diff = torch.cat([(vals[n][0] - clean[n]).flatten() for n in sorted(names)])
+        m = trainer.aqn.metrics(trainer.state)
+        rounds.append({"step": trainer.state.global_step, "sigma": m["aqn/sigma"], "stage": int(m["aqn/stage"]),
+                       "realized_std": float(diff.std()), "max_abs": float(diff.abs().max()),
+                       "vllm_norm_dtypes": sorted({vals[n][1] for n in names}), "sync_s": gen.last_sync_seconds})
+
+    def stop():
+        gen.sync_weights = original_sync
+
+    gen.sync_weights = sync_and_record
+    return rounds, stop
 
 
 def lora_logprob_check(trainer, perturb: float = 5e-2, n_tokens: int = 32, seed: int = 1) -> dict:
@@ -189,39 +220,13 @@ def run_check(
     init_s = time.perf_counter() - t0
     gen = trainer.vllm_generation
     llm = gen.llm  # LoRAServingLLM proxy
-    model = trainer.model
-    clean = {k: v.detach().float().cpu() for k, v in trainer.aqn.clean_weights(model).items()}
-    names = set(clean)
 
     # (2) AQN noise as vLLM holds it, after each round's sync
-    aqn_rounds = []
-    original_sync = gen.sync_weights
-
-    def read_norms(m):
-        return {n: (p.detach().float().cpu(), str(p.dtype)) for n, p in m.named_parameters() if n in names}
-
-    def sync_and_record():
-        original_sync()
-        vals = llm.apply_model(read_norms)[0]
-        diff = torch.cat([(vals[n][0] - clean[n]).flatten() for n in sorted(names)])
-        m = trainer.aqn.metrics(trainer.state)
-        aqn_rounds.append(
-            {
-                "step": trainer.state.global_step,
-                "sigma": m["aqn/sigma"],
-                "stage": int(m["aqn/stage"]),
-                "realized_std": float(diff.std()),
-                "max_abs": float(diff.abs().max()),
-                "vllm_norm_dtypes": sorted({vals[n][1] for n in names}),
-                "sync_s": gen.last_sync_seconds,
-            }
-        )
-
-    gen.sync_weights = sync_and_record
+    aqn_rounds, stop_recording = record_aqn_in_vllm(trainer)
     t1 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t1
-    gen.sync_weights = original_sync
+    stop_recording()
     hist = trainer.state.log_history
     steps = [h for h in hist if "loss" in h]
     rows = []
@@ -239,21 +244,18 @@ def run_check(
                     rel <= AQN_REL_TOL and r["sigma"] == expected, rel_err=rel, **r)
             )
 
-    # (3) Marlin kernel
-    def kernels(m):
-        out = {}
-        for name, mod in m.named_modules():
-            scheme = getattr(mod, "scheme", None)
-            if scheme is not None:
-                out[name] = f"{type(scheme).__name__}/{type(getattr(scheme, 'kernel', None)).__name__}"
-        return out
+    # (3) the FP4 kernel the trainer chose runs the engine's quantized linears
+    from collections import Counter
 
-    ks = llm.apply_model(kernels)[0]
-    kinds = sorted(set(ks.values()))
-    rows.append(
-        row("marlin_nvfp4_kernel", kinds, "every quantized linear uses a Marlin NVFP4 kernel",
-            bool(ks) and all("Marlin" in k for k in kinds), n_quantized_linears=len(ks))
-    )
+    from qerl_trl.vllm_plugin.single_lora import fp4_kernels_of
+
+    ks = llm.apply_model(fp4_kernels_of)[0]
+    kinds = dict(Counter(k.split(" (")[0] for k in ks.values()))
+    want = gen.serving.fp4_kernel
+    ok = bool(ks) and all(k == "humming" or k.startswith("marlin: ") for k in ks.values()) and (
+        any(k == "humming" for k in ks.values()) if want == "humming" else all(k != "humming" for k in ks.values()))
+    rows.append(row("fp4_kernel", kinds, f"every quantized linear on Humming or Marlin, {want} as chosen", ok,
+                    n_quantized_linears=len(ks), chosen=want))
 
     # (4) IS ratio
     is_mean = [h["sampling/importance_sampling_ratio/mean"] for h in steps if "sampling/importance_sampling_ratio/mean" in h]

@@ -330,6 +330,8 @@ def run_row(spec: RowSpec, work: str, steps: int) -> dict:
         trainer = build_trainer(spec, work, steps)
         row["init_s"] = round(time.perf_counter() - t0, 1)
         gen = getattr(trainer, "vllm_generation", None) if spec.generation == "vllm" else None
+        if spec.arm in QERL_ARMS and gen is not None:  # "auto" resolved on this machine (Humming or Marlin)
+            row["fp4_kernel"] = gen.serving.fp4_kernel
         if gen is not None:
             sync_t, roll_t = _Timed(gen, "sync_weights"), _Timed(gen, "generate")
         else:

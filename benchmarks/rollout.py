@@ -17,6 +17,12 @@ Arms, each one vLLM engine in its own process (random weights; ``ignore_eos`` so
   ``QeRLGRPOConfig(vllm_lora_backend="qerl")``): the LoRA built into each linear, pushed in place;
 * ``nvfp4``: the NVFP4A16 checkpoint without LoRA: the ceiling for any FP4 + LoRA path.
 
+Each FP4 arm runs on an FP4 kernel, named after an ``@``: ``nvfp4@humming``, ``nvfp4_qerl_lora@humming``
+(``--arms``; default ``marlin``, vLLM's NVFP4A16 kernel on Hopper). ``humming`` is Humming (``humming-kernels``):
+``quantization="humming"`` for the ``nvfp4`` and ``nvfp4_vllm_lora`` arms, and QeRL's method with
+``fp4_kernel="humming"`` for ``nvfp4_qerl_lora``. Each row names its ``kernel`` and the kernels its engine's linears
+really ran (``fp4_kernels``: layer counts per kernel).
+
 A row per (size, arm, batch): ``tokens_per_s`` (generated tokens over the wall time of one ``generate`` call of
 ``batch`` prompts of ``--prompt-len`` tokens; the prefill is included and small next to the decode),
 ``ms_per_token_step`` and ``vs_bf16_merged``; ``weights`` (where they came from), ``kv_tokens`` (the engine's KV
@@ -46,6 +52,9 @@ sys.path.insert(0, REPO)
 
 ARMS = ("bf16_merged", "nvfp4_vllm_lora", "nvfp4_qerl_lora", "nvfp4")
 LORA_ARMS = ("nvfp4_vllm_lora", "nvfp4_qerl_lora")
+FP4_KERNELS = ("marlin", "humming")
+#: ``--arms`` default: issue #38's set, every FP4 arm with the LoRA on Humming
+DEFAULT_ARMS = ("bf16_merged", "nvfp4@marlin", "nvfp4@humming", "nvfp4_vllm_lora@humming", "nvfp4_qerl_lora@humming")
 LORA_SCALING = 2.0  # lora_alpha = 2r
 BATCHES = (1, 8, 16, 64, 128)
 #: vLLM's share of the GPU per engine: weights plus the KV cache of 128 sequences of 768 tokens
@@ -67,6 +76,27 @@ class EngineSpec:
     prompt_len: int = 256
     gen_len: int = 512
     lora_r: int = 32
+    kernel: str | None = None  # FP4 arms: "marlin" or "humming"; None for bf16_merged
+
+
+def parse_arm(text: str) -> tuple[str, str | None]:
+    """``"nvfp4_qerl_lora@humming"`` -> ``("nvfp4_qerl_lora", "humming")``; an FP4 arm without ``@`` is on Marlin."""
+    arm, _, kernel = text.partition("@")
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, an FP4 one optionally @{'|@'.join(FP4_KERNELS)}")
+    if arm == "bf16_merged":
+        if kernel:
+            raise ValueError("bf16_merged has no FP4 kernel")
+        return arm, None
+    kernel = kernel or "marlin"
+    if kernel not in FP4_KERNELS:
+        raise ValueError(f"unknown FP4 kernel {kernel!r} in {text!r}: one of {FP4_KERNELS}")
+    return arm, kernel
+
+
+def row_kernel(row: dict) -> str | None:
+    """A row's FP4 kernel; rows from before the kernel was recorded ran on Marlin."""
+    return None if row["arm"] == "bf16_merged" else row.get("kernel") or "marlin"
 
 
 def lora_shapes(config) -> dict[str, tuple[int, int]]:
@@ -110,8 +140,9 @@ def write_random_adapter(path: str, config, r: int, seed: int = 0) -> str:
     return path
 
 
-def qerl_lora_engine_kwargs(checkpoint: str, r: int) -> dict:
-    """``LLM(...)`` arguments of the ``nvfp4_qerl_lora`` arm: QeRL's method with a rank-``r`` LoRA on every linear."""
+def qerl_lora_engine_kwargs(checkpoint: str, r: int, kernel: str = "marlin") -> dict:
+    """``LLM(...)`` arguments of the ``nvfp4_qerl_lora`` arm: QeRL's method with a rank-``r`` LoRA on every linear,
+    its base GEMM on ``kernel``."""
     from qerl_trl.vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
 
     from qerl_trl.trainer.vllm_serving import compile_cache_marker
@@ -119,7 +150,7 @@ def qerl_lora_engine_kwargs(checkpoint: str, r: int) -> dict:
     register(strict=True)
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    overrides = lora_quantization_overrides(config, r, LORA_TARGETS)
+    overrides = lora_quantization_overrides(config, r, LORA_TARGETS, kernel)
     # vLLM's compile cache ignores hf_overrides: the marker keeps another rank from loading these kernels
     return {"quantization": QUANT_NAME, "hf_overrides": overrides, "additional_config": compile_cache_marker([], overrides)}
 
@@ -155,7 +186,7 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
     from benchmarks import e2e_step as e2e
     from benchmarks import random_models as rm
 
-    base = dict(size=spec.size, arm=spec.arm, prompt_len=spec.prompt_len, gen_len=spec.gen_len,
+    base = dict(size=spec.size, arm=spec.arm, kernel=spec.kernel, prompt_len=spec.prompt_len, gen_len=spec.gen_len,
                 lora_r=spec.lora_r if spec.arm in LORA_ARMS else 0)  # fmt: skip
     try:
         import torch
@@ -169,12 +200,20 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
         t0 = time.perf_counter()
         lora_kwargs = dict(enable_lora=True, max_lora_rank=spec.lora_r, max_loras=1) if lora else {}
         if spec.arm == "nvfp4_qerl_lora":
-            lora_kwargs = qerl_lora_engine_kwargs(model, spec.lora_r)
+            lora_kwargs = qerl_lora_engine_kwargs(model, spec.lora_r, spec.kernel)
+        elif spec.kernel == "humming":
+            lora_kwargs["quantization"] = "humming"
         source_kwargs.setdefault("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
         llm = LLM(model=model, max_model_len=spec.prompt_len + spec.gen_len + 16, max_num_seqs=max(spec.batches),
                   seed=0, **source_kwargs, **lora_kwargs)  # fmt: skip
         init_s = time.perf_counter() - t0
         kv_tokens = kv_cache_tokens(llm)
+        if spec.kernel:
+            from collections import Counter
+
+            from qerl_trl.vllm_plugin.single_lora import fp4_kernels_of
+
+            base["fp4_kernels"] = dict(Counter(llm.apply_model(fp4_kernels_of)[0].values()))
         request = None
         if lora:
             from vllm.lora.request import LoRARequest
@@ -229,14 +268,15 @@ def _same(r: dict) -> tuple:
 
 def add_speedups(rows: list[dict]) -> None:
     """``vs_bf16_merged``: tokens/s over the merged-BF16 arm's at the same size and batch, in the same run; and
-    ``lora_overhead_vs_nvfp4`` against the no-LoRA arm likewise."""
+    ``lora_overhead_vs_nvfp4`` against the no-LoRA arm on the same FP4 kernel likewise."""
     ref = {_same(r): r["tokens_per_s"] for r in rows if r["arm"] == "bf16_merged" and r.get("status") == "ok"}
     for r in rows:
         base = ref.get(_same(r))
         r["vs_bf16_merged"] = round(r["tokens_per_s"] / base, 3) if base and r.get("status") == "ok" else None
-    ceiling = {_same(r): r["tokens_per_s"] for r in rows if r["arm"] == "nvfp4" and r.get("status") == "ok"}
+    ceiling = {(*_same(r), row_kernel(r)): r["tokens_per_s"] for r in rows
+               if r["arm"] == "nvfp4" and r.get("status") == "ok"}  # fmt: skip
     for r in rows:
-        top = ceiling.get(_same(r))
+        top = ceiling.get((*_same(r), row_kernel(r)))
         if r["arm"] not in ("nvfp4", "bf16_merged"):
             r["lora_overhead_vs_nvfp4"] = round(top / r["tokens_per_s"] - 1, 3) if top and r["status"] == "ok" else None
 
@@ -257,7 +297,7 @@ def merge(files: list[str], out_dir: str) -> str:
         for r in env["rows"]:
             r.setdefault("commit", env.get("commit"))
             seen.setdefault(str(r["commit"]), None)
-        rows = keep_runs(rows, env["rows"], lambda r: (r["size"], r["arm"], r["batch"]))
+        rows = keep_runs(rows, env["rows"], lambda r: (r["size"], r["arm"], row_kernel(r), r["batch"]))
     add_speedups(rows)
     kept = {str(r["commit"]) for r in rows if r.get("commit")}
     commits = [c for c in seen if c in kept]  # in the order the files name them
@@ -292,7 +332,7 @@ def run_arm(spec: EngineSpec, work: str, timeout: float) -> list[dict]:
     out = os.path.join(work, "rollout-rows.json")
     if os.path.exists(out):
         os.remove(out)
-    log_path = os.path.join(work, f"rollout-{spec.size}-{spec.arm}.log")
+    log_path = os.path.join(work, f"rollout-{spec.size}-{spec.arm}{'-' + spec.kernel if spec.kernel else ''}.log")
     cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(spec)), "--work", work,
            "--rows-out", out]  # fmt: skip
     with open(log_path, "w") as log_file:
@@ -307,13 +347,15 @@ def run_arm(spec: EngineSpec, work: str, timeout: float) -> list[dict]:
         with open(out) as f:
             return json.load(f)
     status = status or f"failed: {log[-300:]}"
-    return [dict(size=spec.size, arm=spec.arm, batch=b, status=status, log_tail=log) for b in spec.batches]
+    return [dict(size=spec.size, arm=spec.arm, kernel=spec.kernel, batch=b, status=status, log_tail=log)
+            for b in spec.batches]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> str | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="*", default=["7b"], help="of benchmarks/e2e_step.py's SIZES")
-    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS),
+                    help=f"of {ARMS}, an FP4 arm optionally @marlin (the default) or @humming")
     ap.add_argument("--batches", nargs="*", type=int, default=list(BATCHES))
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=512)
@@ -346,15 +388,16 @@ def main(argv: list[str] | None = None) -> str | None:
     run, commit, uuid = new_run_id(), git_commit(), gpu_uuid()
     rows: list[dict] = []
     path = None
+    arms = [parse_arm(text) for text in a.arms]  # bad names fail before any checkpoint is written
     for size in a.sizes:
         need_bf16 = "bf16_merged" in a.arms and size in e2e.BF16_MAX_SIZE
         e2e.prepare_checkpoints(a.work, size, need_bf16=need_bf16)
-        for arm in a.arms:
-            spec = EngineSpec(size, arm, tuple(a.batches), a.prompt_len, a.gen_len, a.lora_r)
+        for arm, kernel in arms:
+            spec = EngineSpec(size, arm, tuple(a.batches), a.prompt_len, a.gen_len, a.lora_r, kernel)
             elapsed = time.monotonic() - start
             limit = engine_timeout(a.timeout, a.deadline, elapsed)
             if limit is None:
-                got = [dict(size=size, arm=arm, batch=b, status=f"not_run: {a.deadline - elapsed:.0f} s were left "
+                got = [dict(size=size, arm=arm, kernel=kernel, batch=b, status=f"not_run: {a.deadline - elapsed:.0f} s were left "
                             f"of --deadline {a.deadline:.0f} s") for b in a.batches]  # fmt: skip
             else:
                 got = run_arm(spec, a.work, limit)
@@ -362,7 +405,8 @@ def main(argv: list[str] | None = None) -> str | None:
                 r.update(commit=commit, run=run, gpu_uuid=uuid)
             rows += got
             for r in got:
-                print(json.dumps({k: r.get(k) for k in ("size", "arm", "batch", "tokens_per_s", "status")}), flush=True)
+                print(json.dumps({k: r.get(k) for k in ("size", "arm", "kernel", "batch", "tokens_per_s", "status",
+                                                        "fp4_kernels")}), flush=True)  # fmt: skip
             # rewritten after every engine: a run cut off by a time limit keeps the arms it finished
             add_speedups(rows)
             path = write_result("rollout", rows, a.out_dir)

@@ -174,3 +174,21 @@ def test_a_call_with_a_deadline_leaves_a_row_per_arm_with_the_engines_log(tmp_pa
     assert by_arm["nvfp4"]["status"] == "timeout after 285 s"
     assert "Capturing CUDA graphs 40%" in by_arm["nvfp4"]["log_tail"]
     assert by_arm["nvfp4_qerl_lora"]["status"].startswith("not_run: 15 s were left of --deadline 400 s")
+
+
+def test_arms_name_their_fp4_kernel_and_the_lora_overhead_is_against_the_same_kernel():
+    import pytest
+
+    assert rollout.parse_arm("nvfp4_qerl_lora@humming") == ("nvfp4_qerl_lora", "humming")
+    assert rollout.parse_arm("nvfp4") == ("nvfp4", "marlin") and rollout.parse_arm("bf16_merged") == ("bf16_merged", None)
+    for bad in ("nvfp4@cutlass", "bf16_merged@humming", "fp8"):
+        with pytest.raises(ValueError):
+            rollout.parse_arm(bad)
+    rows = [dict(size="7b", arm="bf16_merged", batch=64, tokens_per_s=100.0, status="ok", run="r"),
+            dict(size="7b", arm="nvfp4", kernel="marlin", batch=64, tokens_per_s=100.0, status="ok", run="r"),
+            dict(size="7b", arm="nvfp4", kernel="humming", batch=64, tokens_per_s=130.0, status="ok", run="r"),
+            dict(size="7b", arm="nvfp4_qerl_lora", kernel="humming", batch=64, tokens_per_s=104.0, status="ok", run="r"),
+            dict(size="7b", arm="nvfp4_qerl_lora", batch=64, tokens_per_s=80.0, status="ok", run="r")]  # Marlin, older
+    rollout.add_speedups(rows)
+    assert rows[3]["lora_overhead_vs_nvfp4"] == 0.25 and rows[4]["lora_overhead_vs_nvfp4"] == 0.25
+    assert rows[2]["vs_bf16_merged"] == 1.3

@@ -101,6 +101,12 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
                 return SingleLoRALinearMethod(PlainMethod(), names, RANK)
             return PlainMethod()
 
+    fp4_kernel = "marlin"
+    if mode.endswith("+humming"):  # Humming where the shape fits (o, gate_up, down), Marlin for qkv (k/v: 64 rows)
+        fp4_kernel = "humming"
+        mode = mode.removesuffix("+humming")
+        if device == "cpu":
+            _stand_in_humming()
     if mode.endswith("+serial"):  # every layer through the serial shrink (else only gate/up-wide ones take it)
         from qerl_trl.vllm_plugin import lora_kernels
 
@@ -127,7 +133,8 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             if device == "cpu":
                 _dequantizing_nvfp4_kernel()
             ct = {"quantization_config": compressed_tensors_config([])}
-            q = QeRLNVFP4LoRAConfig.from_config(lora_quantization_overrides(ct, RANK, targets)["quantization_config"])
+            q = QeRLNVFP4LoRAConfig.from_config(
+                lora_quantization_overrides(ct, RANK, targets, fp4_kernel)["quantization_config"])
             q.packed_modules_mapping = packed
         qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.qkv_proj")
         o = RowParallelLinear(HEADS * HEAD, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.o_proj")
@@ -150,6 +157,12 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             _load_nvfp4(full, down, [(None, "down_proj")])
         for layer in (qkv, o, gate_up, down):
             layer.quant_method.process_weights_after_loading(layer)
+        if fp4_kernel == "humming":
+            from qerl_trl.vllm_plugin.single_lora import fp4_kernels_of
+
+            got = fp4_kernels_of(nn.ModuleDict({"qkv": qkv, "o": o, "gate_up": gate_up, "down": down}))
+            assert got["o"] == got["gate_up"] == got["down"] == "humming", got
+            assert got["qkv"].startswith("marlin: ") and "not a multiple of 128" in got["qkv"], got
 
         tree = nn.Module()
         tree.model = nn.Module()
@@ -238,6 +251,33 @@ def _dequantizing_nvfp4_kernel() -> None:
     ct.init_nvfp4_linear_kernel = lambda use_a16=False: DequantKernel()
 
 
+def _stand_in_humming() -> None:
+    """On CPU (no Humming kernels): the compressed-tensors scheme's own weights and dequantizing forward, under the
+    class name of vLLM's Humming method, so the per-shape dispatch, its weight loader and the LoRA on top run."""
+    from vllm.model_executor.layers.linear import LinearMethodBase
+
+    from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
+
+    class HummingLinearMethod(LinearMethodBase):
+        def __init__(self, scheme):
+            self.scheme = scheme  # taken before the dispatcher drops layer.scheme
+
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                           params_dtype, **extra):  # fmt: skip
+            self.scheme.create_weights(layer=layer, input_size=input_size, output_size=output_size,
+                                       input_size_per_partition=input_size_per_partition, params_dtype=params_dtype,
+                                       output_partition_sizes=output_partition_sizes,
+                                       weight_loader=extra["weight_loader"])  # fmt: skip
+
+        def process_weights_after_loading(self, layer):
+            self.scheme.process_weights_after_loading(layer)
+
+        def apply(self, layer, x, bias=None):
+            return self.scheme.apply_weights(layer, x, bias=bias)
+
+    QeRLNVFP4LoRAConfig.humming_method = lambda self, layer, prefix: HummingLinearMethod(layer.scheme)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -277,11 +317,14 @@ def test_untargeted_linears_keep_the_plain_method_and_partly_targeted_packs_get_
     assert max(errs.values()) < 1e-5, errs
 
 
-@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (1, "nvfp4+serial"), (2, "nvfp4"), (2, "nvfp4+serial")])
+@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (1, "nvfp4+serial"), (2, "nvfp4"), (2, "nvfp4+serial"),
+                                          (1, "nvfp4+humming"), (2, "nvfp4+serial+humming")])
 def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size, mode):
     """QeRLNVFP4LoRAConfig on vLLM's compressed-tensors NVFP4A16 scheme (Marlin on a GPU; on CPU a dequantizing
     stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference, through either LoRA
-    kernel pair (the test's layers are narrower than ``SERIAL_MIN_COLS``; ``+serial`` lowers it to 0)."""
+    kernel pair (the test's layers are narrower than ``SERIAL_MIN_COLS``; ``+serial`` lowers it to 0). ``+humming``:
+    ``fp4_kernel="humming"``, Humming's real kernels on a GPU (a stand-in on CPU) on every layer but qkv, whose
+    64-row k/v shards Humming cannot take (Marlin)."""
     for tp_rank, errs, filled, moves in _run(tp_size, ALL, mode=mode):
         assert filled == 4, (tp_rank, filled)
         assert max(errs.values()) < 2e-2, (tp_rank, errs)  # bf16 activations, LoRA buffers and outputs

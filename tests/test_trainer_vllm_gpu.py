@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("lora_backend", ["vllm", "qerl"])
-def test_colocate_vllm_lora_aqn_marlin(tmp_path, smollm2_gguf, lora_backend):
+def test_colocate_vllm_lora_aqn_fp4_kernel(tmp_path, smollm2_gguf, lora_backend):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "colocate_check.py"), "--gguf", smollm2_gguf,
            "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out)]  # fmt: skip
@@ -31,6 +31,6 @@ def test_colocate_vllm_lora_aqn_marlin(tmp_path, smollm2_gguf, lora_backend):
     bad = [r for r in rows if r["ok"] is False]
     assert not bad, bad
     checks = {r["check"] for r in rows}
-    assert {"aqn_absent_stage0", "aqn_sigma_in_vllm", "marlin_nvfp4_kernel", "is_ratio_mean",
+    assert {"aqn_absent_stage0", "aqn_sigma_in_vllm", "fp4_kernel", "is_ratio_mean",
             "lora_logprob_match_vllm_vs_trainer", "lora_served_vllm_lora_vs_base"} <= checks
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -245,7 +245,7 @@ def test_single_lora_overrides_need_a_compressed_tensors_checkpoint():
     ct = {"quantization_config": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}}
     out = lora_quantization_overrides(ct, 24, ["v_proj", "q_proj", "q_proj"])
     assert out["quantization_config"]["format"] == "nvfp4-pack-quantized"
-    assert out["quantization_config"][LORA_KEY] == {"rank": 24, "target_modules": ["q_proj", "v_proj"]}
+    assert out["quantization_config"][LORA_KEY] == {"rank": 24, "target_modules": ["q_proj", "v_proj"], "fp4_kernel": "marlin"}
     assert LORA_KEY not in ct["quantization_config"]  # the checkpoint's own config is left alone
     with pytest.raises(ValueError, match="compressed-tensors NVFP4A16"):
         lora_quantization_overrides({"quantization_config": {"quant_method": "bitsandbytes"}}, 8, ["q_proj"])

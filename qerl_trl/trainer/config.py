@@ -63,6 +63,13 @@ class QeRLGRPOConfig(GRPOConfig):
             (one run), 1.16x against 1.13x TRL BF16-LoRA at 2 x 8 x 2048 (each beside its own TRL arm), and 11.80 s
             against 11.48 s at 8 x 8 x 512 (one run, inside both arms' spread): where each engine generates 64 or
             more sequences a round, `"vllm"` may be as fast.
+        vllm_fp4_kernel (`str`, defaults to `"auto"`):
+            The FP4 GEMM vLLM runs the NVFP4 base on. `"auto"`: Humming (`humming-kernels`, installed with the
+            `vllm` extra) on Hopper GPUs for every layer whose shape it takes (output a multiple of 128, input of 64
+            per tensor-parallel shard), vLLM's Marlin elsewhere; the trainer logs which and why. `"humming"`: Humming
+            on any GPU (an error if it is not installed). `"marlin"`: Marlin everywhere. Humming compiles its
+            kernels at the first engine start on a machine (minutes) and caches them in `$HUMMING_CACHE_DIR`
+            (default `~/.humming/cache`). With `vllm_lora_backend="vllm"` the whole model runs on one kernel.
         vllm_max_lora_rank (`int`, *optional*):
             With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts
             (1, 8, 16, 32, 64, 128, 256, 320, 512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is
@@ -128,6 +135,14 @@ class QeRLGRPOConfig(GRPOConfig):
             "choices": ["qerl", "vllm"],
         },
     )
+    vllm_fp4_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "The FP4 GEMM of the vLLM engine: 'auto' (Humming on Hopper where installed and the shapes fit, "
+            "else Marlin), 'humming' or 'marlin'.",
+            "choices": ["auto", "humming", "marlin"],
+        },
+    )
     vllm_max_lora_rank: int | None = field(
         default=None,
         metadata={"help": "vLLM max_lora_rank; default: smallest allowed rank >= the LoRA rank."},
@@ -159,6 +174,10 @@ class QeRLGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"vllm_lora_backend must be 'vllm' (vLLM's LoRA adapters) or 'qerl' (the LoRA inside QeRL's NVFP4 "
                 f"vLLM method), got {self.vllm_lora_backend!r}."
+            )
+        if self.vllm_fp4_kernel not in ("auto", "humming", "marlin"):
+            raise ValueError(
+                f"vllm_fp4_kernel must be 'auto', 'humming' or 'marlin', got {self.vllm_fp4_kernel!r}."
             )
         if self.vllm_max_logprob_gap is not None and self.vllm_max_logprob_gap <= 0:
             raise ValueError(f"vllm_max_logprob_gap must be > 0 or None, got {self.vllm_max_logprob_gap}.")

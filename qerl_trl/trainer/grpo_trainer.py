@@ -125,9 +125,10 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 "Set the NVFP4 options (e.g. nvfp4_modules_to_not_convert) on QeRLGRPOConfig."
             )
         if args.use_vllm:
-            from .vllm_serving import require_vllm
+            from .vllm_serving import require_humming_if_forced, require_vllm
 
             require_vllm()
+            require_humming_if_forced(args.vllm_fp4_kernel)
 
         source = model if isinstance(model, str) else None
         source_is_nvfp4 = False
@@ -180,6 +181,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 VLLMServingSpec,
                 check_lora_config_for_vllm,
                 make_qerl_vllm_generation_class,
+                resolve_fp4_kernel,
                 swap_trl_vllm_generation,
                 vllm_max_lora_rank,
             )
@@ -199,6 +201,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 enforce_eager=args.vllm_enforce_eager,
                 lora_sync_dir=args.vllm_lora_sync_dir,
                 lora_backend=args.vllm_lora_backend,
+                fp4_kernel=resolve_fp4_kernel(
+                    args.vllm_fp4_kernel, args.vllm_lora_backend, checkpoint, args.vllm_tensor_parallel_size
+                ).kernel,
             )
             cls = make_qerl_vllm_generation_class()
             swap = swap_trl_vllm_generation(lambda *a, **kw: cls(*a, serving=spec, **kw))

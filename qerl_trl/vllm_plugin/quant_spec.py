@@ -18,9 +18,12 @@ LORA_KEY = "qerl_lora"  # its LoRA spec inside the checkpoint's quantization_con
 OTHER_BACKEND_HINT = "QeRLGRPOConfig(vllm_lora_backend='vllm') serves it through vLLM's own LoRA adapters instead."
 
 
-def lora_quantization_overrides(checkpoint_config: Mapping[str, Any], rank: int, target_modules: Iterable[str]) -> dict:
+def lora_quantization_overrides(
+    checkpoint_config: Mapping[str, Any], rank: int, target_modules: Iterable[str], fp4_kernel: str = "marlin"
+) -> dict:
     """``hf_overrides`` for ``LLM(...)``: the checkpoint's ``quantization_config`` plus the LoRA's rank and targets
-    (leaf module names such as ``q_proj``)."""
+    (leaf module names such as ``q_proj``) and the FP4 kernel (``"humming"``: Humming on every layer whose shape it
+    takes, Marlin on the rest; ``"marlin"``: Marlin everywhere; see :mod:`.fp4_kernel`)."""
     quant = checkpoint_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
         raise ValueError(
@@ -30,4 +33,7 @@ def lora_quantization_overrides(checkpoint_config: Mapping[str, Any], rank: int,
     targets = sorted(set(target_modules))
     if not targets:
         raise ValueError("The LoRA targets no module.")
-    return {"quantization_config": {**quant, LORA_KEY: {"rank": int(rank), "target_modules": targets}}}
+    if fp4_kernel not in ("humming", "marlin"):
+        raise ValueError(f"fp4_kernel must be 'humming' or 'marlin' (resolved from 'auto' first), got {fp4_kernel!r}.")
+    spec = {"rank": int(rank), "target_modules": targets, "fp4_kernel": fp4_kernel}
+    return {"quantization_config": {**quant, LORA_KEY: spec}}

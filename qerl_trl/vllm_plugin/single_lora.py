@@ -11,14 +11,18 @@ launches at decode sizes, two GEMMs above (:mod:`.lora_kernels`). The trainer co
 buffers in place (:func:`push_lora_in_place`), so CUDA graphs and torch.compile see the new adapter with nothing
 re-captured.
 
+The base GEMM is vLLM's compressed-tensors NVFP4A16 method (Marlin on Hopper) or, with ``"fp4_kernel": "humming"``
+in the spec, vLLM's Humming method on every linear whose shape Humming takes (:class:`FP4KernelByShape`; the rest
+stay on Marlin). Humming reads the same checkpoint tensors.
+
 The engine is asked for it with ``LLM(..., quantization="qerl_nvfp4_lora", hf_overrides={"quantization_config":
-<the checkpoint's compressed-tensors config + {"qerl_lora": {"rank": r, "target_modules": [...]}}>})``
+<the checkpoint's compressed-tensors config + {"qerl_lora": {"rank": r, "target_modules": [...], "fp4_kernel": k}}>})``
 (``qerl_trl.vllm_plugin.quant_spec.lora_quantization_overrides``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +39,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
+from .fp4_kernel import humming_shape_problem
 from .quant_spec import LORA_KEY, OTHER_BACKEND_HINT, QUANT_NAME
 from .lora_kernels import lora_delta_add, lora_slot_bounds
 from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
@@ -42,7 +47,9 @@ from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers,
 __all__ = [
     "QUANT_NAME",
     "LORA_KEY",
+    "FP4KernelByShape",
     "SingleLoRALinearMethod",
+    "fp4_kernels_of",
     "QeRLNVFP4LoRAConfig",
     "push_lora_in_place",
     "layer_lora_plan",
@@ -75,6 +82,61 @@ def layer_lora_plan(
     return column_parallel_plan(names, output_partition_sizes, input_size_per_partition, rank, shards)
 
 
+def _inner_weight_loader(layer: nn.Module, inner: LinearMethodBase) -> Callable:
+    """The weight loader vLLM would have given ``inner``'s parameters: the layer chose its loader by the *wrapper's*
+    class name (vLLM's ``WEIGHT_LOADER_V2_SUPPORTED``), which names neither of ours."""
+    v2 = type(inner).__name__ in WEIGHT_LOADER_V2_SUPPORTED
+    return getattr(layer, "weight_loader_v2", layer.weight_loader) if v2 else layer.weight_loader
+
+
+def _is_nvfp4a16(layer: nn.Module, method: LinearMethodBase) -> bool:
+    """Whether compressed-tensors gave ``layer`` its NVFP4 weight-only scheme (what Humming can take instead)."""
+    scheme = getattr(layer, "scheme", None)
+    return (type(method).__name__ == "CompressedTensorsLinearMethod"
+            and type(scheme).__name__ == "CompressedTensorsW4A4Fp4" and bool(getattr(scheme, "use_a16", False)))
+
+
+class FP4KernelByShape(LinearMethodBase):
+    """One linear's NVFP4A16 base GEMM: Humming where the layer's per-shard shape fits it, else ``marlin`` (vLLM's
+    compressed-tensors method). The shape is known only in ``create_weights``, so the choice is made there; the
+    layer's ``qerl_fp4_kernel`` records it (``"humming"`` or ``"marlin: <why>"``)."""
+
+    def __init__(self, marlin: LinearMethodBase, humming: Callable[[], LinearMethodBase]):
+        self.marlin = marlin
+        self.make_humming = humming
+        self.chosen: LinearMethodBase = marlin
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        problem = humming_shape_problem(output_partition_sizes, input_size_per_partition)
+        if problem is None:
+            self.chosen = self.make_humming()
+            if hasattr(layer, "scheme"):  # compressed-tensors' scheme (Marlin) no longer runs this layer
+                del layer.scheme
+            layer.qerl_fp4_kernel = "humming"
+        else:
+            layer.qerl_fp4_kernel = f"marlin: {problem}"
+        extra_weight_attrs["weight_loader"] = _inner_weight_loader(layer, self.chosen)
+        self.chosen.create_weights(
+            layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype,
+            **extra_weight_attrs,
+        )  # fmt: skip
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.chosen.process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.chosen.apply(layer, x, bias)
+
+
 class SingleLoRALinearMethod(LinearMethodBase):
     """Any vLLM linear method (here the compressed-tensors NVFP4A16 one) plus one LoRA: ``inner(x) + x A^T B^T``."""
 
@@ -93,10 +155,7 @@ class SingleLoRALinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        # The layer chose its weight loader by *our* class name (vLLM's WEIGHT_LOADER_V2_SUPPORTED); the inner
-        # method's parameters need the one vLLM would have chosen for it (v2 for compressed-tensors).
-        v2 = type(self.inner).__name__ in WEIGHT_LOADER_V2_SUPPORTED
-        extra_weight_attrs["weight_loader"] = getattr(layer, "weight_loader_v2", layer.weight_loader) if v2 else layer.weight_loader
+        extra_weight_attrs["weight_loader"] = _inner_weight_loader(layer, self.inner)
         self.inner.create_weights(
             layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype,
             **extra_weight_attrs,
@@ -122,10 +181,13 @@ class SingleLoRALinearMethod(LinearMethodBase):
 
 @register_quantization_config(QUANT_NAME)
 class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
-    """compressed-tensors (NVFP4A16) checkpoints, with :class:`SingleLoRALinearMethod` on the LoRA's linears."""
+    """compressed-tensors (NVFP4A16) checkpoints, with :class:`SingleLoRALinearMethod` on the LoRA's linears and,
+    with ``fp4_kernel="humming"``, Humming as the base GEMM of every linear it fits (:class:`FP4KernelByShape`)."""
 
     lora_rank: int
     lora_targets: frozenset[str]
+    fp4_kernel: str = "marlin"
+    quant_config_dict: dict[str, Any]
 
     def get_name(self) -> str:  # type: ignore[override]
         return QUANT_NAME
@@ -139,10 +201,30 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
                 f"quantization={QUANT_NAME!r} needs quantization_config[{LORA_KEY!r}] = {{'rank': r, "
                 "'target_modules': [...]}}; build the engine's overrides with lora_quantization_overrides()."
             )
+        kernel = spec.get("fp4_kernel", "marlin")
+        if kernel not in ("humming", "marlin"):
+            raise ValueError(f"quantization_config[{LORA_KEY!r}]['fp4_kernel'] must be 'humming' or 'marlin', got "
+                             f"{kernel!r}.")  # fmt: skip
         self = super().from_config(config)
         self.lora_rank = int(spec["rank"])
         self.lora_targets = frozenset(spec["target_modules"])
+        self.fp4_kernel = kernel
+        self.quant_config_dict = config  # Humming reads the checkpoint's compressed-tensors config itself
         return self
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        super().apply_vllm_mapper(hf_to_vllm_mapper)
+        self._vllm_mapper = hf_to_vllm_mapper
+
+    def humming_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        """vLLM's own Humming linear method for ``layer``, as ``quantization="humming"`` would build it from this
+        checkpoint (vLLM 0.24 ``HummingConfig``)."""
+        from vllm.model_executor.layers.quantization.humming import HummingConfig
+
+        humming = HummingConfig(full_config=self.quant_config_dict)
+        if getattr(self, "_vllm_mapper", None) is not None:
+            humming.apply_vllm_mapper(self._vllm_mapper)
+        return humming.get_quant_method(layer, prefix)
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None):
@@ -159,10 +241,39 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str):
         method = super().get_quant_method(layer, prefix)
         if isinstance(layer, LinearBase) and isinstance(method, LinearMethodBase):
+            if self.fp4_kernel == "humming" and _is_nvfp4a16(layer, method):
+                method = FP4KernelByShape(method, lambda: self.humming_method(layer, prefix))
             names = self.lora_names(prefix)
             if names:
                 return SingleLoRALinearMethod(method, names, self.lora_rank)
         return method
+
+
+def fp4_kernels_of(model: nn.Module) -> dict[str, str]:
+    """``{linear layer: its FP4 kernel}`` in a vLLM model: ``"humming"``, ``"marlin: ..."`` (the Marlin kernel
+    class, or why the layer is not on Humming) or another method's class name; unquantized linears are left out. For
+    checks and the trainer's log, on either LoRA backend (vLLM's LoRA wrappers hold the layer as ``base_layer``)."""
+    out = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(module, LinearBase) or method is None:
+            continue
+        while isinstance(method, SingleLoRALinearMethod):
+            method = method.inner
+        if isinstance(method, FP4KernelByShape):
+            method = method.chosen
+        kind = type(method).__name__
+        if kind == "UnquantizedLinearMethod":
+            continue
+        if kind == "HummingLinearMethod":
+            out[name] = "humming"
+        elif kind == "CompressedTensorsLinearMethod":
+            kernel = type(getattr(getattr(module, "scheme", None), "kernel", None)).__name__
+            reason = getattr(module, "qerl_fp4_kernel", "")
+            out[name] = f"marlin: {kernel}" + (f" ({reason.removeprefix('marlin: ')})" if reason else "")
+        else:
+            out[name] = kind
+    return out
 
 
 def push_lora_in_place(model: nn.Module, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> int:

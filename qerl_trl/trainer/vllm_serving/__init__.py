@@ -4,6 +4,7 @@
 - :mod:`.peft_tensors`: the policy's LoRA read out of PEFT;
 - :mod:`.lora_backend`: the LoRA backend interface (engine arguments, sync, clear), implemented by
   :mod:`.adapter_lora` (``vllm_lora_backend="vllm"``: vLLM's adapters) and :mod:`.in_layer_lora` (``"qerl"``);
+- :mod:`.fp4_kernel_choice`: the engine's FP4 kernel (Humming or Marlin) on this machine;
 - :mod:`.fp32_norms`: AQN's float32 norms inside vLLM; :mod:`.compile_cache`: the compile-cache key for them;
 - :mod:`.serving_spec`, :mod:`.serving_llm`, :mod:`.generation`: what the engine serves, the proxy TRL calls, and
   TRL's ``VLLMGeneration`` subclass with the swap that makes ``GRPOTrainer`` build it.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from .adapter_lora import AdapterLoRABackend, write_adapter_dir
 from .compile_cache import compile_cache_marker
+from .fp4_kernel_choice import require_humming_if_forced, resolve_fp4_kernel
 from .fp32_norms import cast_norms_to_fp32, fp32_norms_during_load, push_norm_weights
 from .generation import LORA_BACKENDS, make_qerl_vllm_generation_class, swap_trl_vllm_generation
 from .in_layer_lora import InLayerLoRABackend, single_lora_engine_kwargs
@@ -43,7 +45,9 @@ __all__ = [
     "peft_lora_modules",
     "peft_to_vllm_lora_tensors",
     "push_norm_weights",
+    "require_humming_if_forced",
     "require_vllm",
+    "resolve_fp4_kernel",
     "single_lora_engine_kwargs",
     "swap_trl_vllm_generation",
     "vllm_max_lora_rank",

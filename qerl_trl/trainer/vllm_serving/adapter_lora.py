@@ -71,7 +71,10 @@ class AdapterLoRABackend(VLLMLoRABackend):
     uses_lora_request = True
 
     def engine_kwargs(self, model: nn.Module) -> dict[str, Any]:
-        return {"enable_lora": True, "max_lora_rank": self.spec.max_lora_rank, "max_loras": 1, "max_cpu_loras": 2}
+        kwargs = {"enable_lora": True, "max_lora_rank": self.spec.max_lora_rank, "max_loras": 1, "max_cpu_loras": 2}
+        if self.spec.fp4_kernel == "humming":  # vLLM's Humming method reads the compressed-tensors checkpoint as it is
+            kwargs["quantization"] = "humming"
+        return kwargs
 
     def attach(self, llm: Any) -> None:
         super().attach(llm)

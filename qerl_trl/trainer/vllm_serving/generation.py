@@ -16,6 +16,7 @@ stays frozen inside vLLM and only the LoRA (and AQN's norms) move:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from typing import Any, Callable, Iterator
@@ -30,6 +31,8 @@ from .lora_backend import VLLMLoRABackend
 from .serving_llm import LoRAServingLLM
 from .serving_spec import VLLMServingSpec
 from .versions import WRITTEN_AGAINST
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LORA_BACKENDS", "make_qerl_vllm_generation_class", "swap_trl_vllm_generation"]
 
@@ -52,6 +55,7 @@ def make_qerl_vllm_generation_class():
             self.lora_backend = LORA_BACKENDS[serving.lora_backend](serving)
             self.pending_norms: dict[str, torch.Tensor] | None = None
             self.last_sync_seconds = 0.0
+            self.engine_start_seconds = 0.0
             super().__init__(*args, **kwargs)
 
         def _init_vllm(self):
@@ -78,6 +82,7 @@ def make_qerl_vllm_generation_class():
             ensure_master_addr_port()
             spec = self.serving
             engine_lora = self.lora_backend.engine_kwargs(self.model)
+            t0 = time.perf_counter()
             with fp32_norms_during_load(spec.fp32_norm_names):
                 llm = LLM(
                     model=spec.checkpoint,
@@ -98,6 +103,9 @@ def make_qerl_vllm_generation_class():
                     additional_config=compile_cache_marker(spec.fp32_norm_names, engine_lora.get("hf_overrides")),
                     **engine_lora,
                 )
+            self.engine_start_seconds = time.perf_counter() - t0
+            logger.info("vLLM engine started in %.1f s (FP4 kernel: %s, LoRA backend: %s)", self.engine_start_seconds,
+                        spec.fp4_kernel, spec.lora_backend)  # fmt: skip
             self.llm = LoRAServingLLM(llm, adapters=self.lora_backend.uses_lora_request)
             self.lora_backend.attach(llm)
             if self.enable_sleep_mode:

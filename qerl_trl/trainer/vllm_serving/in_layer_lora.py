@@ -21,9 +21,10 @@ from .peft_tensors import peft_lora_modules
 __all__ = ["InLayerLoRABackend", "single_lora_engine_kwargs"]
 
 
-def single_lora_engine_kwargs(checkpoint: str, model: nn.Module) -> dict[str, Any]:
+def single_lora_engine_kwargs(checkpoint: str, model: nn.Module, fp4_kernel: str = "marlin") -> dict[str, Any]:
     """``LLM(...)`` arguments for lora_backend="qerl": our quantization method (registered here too, in case vLLM's
-    plugin entry point is not installed), told the LoRA's rank and target modules through ``hf_overrides``."""
+    plugin entry point is not installed), told the LoRA's rank, target modules and FP4 kernel through
+    ``hf_overrides``."""
     from ...vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
 
     register(strict=True)
@@ -31,7 +32,7 @@ def single_lora_engine_kwargs(checkpoint: str, model: nn.Module) -> dict[str, An
     targets = {name.rsplit(".", 1)[-1] for name in peft_lora_modules(model)[0]}
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, rank, targets)}
+    return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, rank, targets, fp4_kernel)}
 
 
 class InLayerLoRABackend(VLLMLoRABackend):
@@ -40,7 +41,7 @@ class InLayerLoRABackend(VLLMLoRABackend):
     uses_lora_request = False
 
     def engine_kwargs(self, model: nn.Module) -> dict[str, Any]:
-        return single_lora_engine_kwargs(self.spec.checkpoint, model)
+        return single_lora_engine_kwargs(self.spec.checkpoint, model, self.spec.fp4_kernel)
 
     def sync(self, model: nn.Module, gather_params: GatherParams) -> None:
         with gather_params(self.lora_parameters(model)):  # copied into the engine's layers while gathered

@@ -18,3 +18,4 @@ class VLLMServingSpec:
     lora_sync_dir: str = "/dev/shm"
     dtype: str = "bfloat16"
     lora_backend: str = "qerl"  # "qerl": the LoRA inside our quantization method; "vllm": vLLM's LoRA adapters
+    fp4_kernel: str = "marlin"  # resolved from QeRLGRPOConfig.vllm_fp4_kernel: "humming" or "marlin"

@@ -1,0 +1,95 @@
+"""The engine's FP4 kernel choice (``QeRLGRPOConfig.vllm_fp4_kernel``): Humming or Marlin, per GPU, install and
+layer shape, and what each LoRA backend asks vLLM for. CPU only: no vLLM or Humming needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qerl_trl.vllm_plugin.fp4_kernel import choose_fp4_kernel, decoder_linear_shapes, humming_shape_problem
+
+QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4}
+SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}
+HOPPER, ADA = (9, 0), (8, 9)
+
+
+def choose(requested="auto", per_layer=True, config=QWEN7B, capability=HOPPER, version="0.1.19", **kw):
+    return choose_fp4_kernel(requested, per_layer=per_layer, model_config=config, capability=capability,
+                             humming_version=version, **kw)  # fmt: skip
+
+
+def test_shape_rule_and_per_shard_shapes():
+    assert humming_shape_problem([3584, 512, 512], 3584) is None
+    assert "192" in humming_shape_problem([512, 192, 192], 512)
+    assert "input size 96" in humming_shape_problem(256, 96)
+    shapes = decoder_linear_shapes(QWEN7B, tp_size=2)
+    assert shapes["q_proj"] == (1792, 3584) and shapes["k_proj"] == (256, 3584) and shapes["down_proj"] == (3584, 9472)
+    assert decoder_linear_shapes(QWEN7B, tp_size=8)["k_proj"] == (128, 3584)  # 4 KV heads replicated over 8 ranks
+
+
+def test_auto_picks_humming_on_hopper_only_where_installed():
+    assert choose().kernel == "humming" and "0.1.19" in choose().reason
+    for kw, why in [(dict(capability=ADA), "sm_89"), (dict(capability=None), "no CUDA GPU"),
+                    (dict(version=None), "not installed")]:  # fmt: skip
+        got = choose(**kw)
+        assert got.kernel == "marlin" and why in got.reason, got
+    assert choose("marlin").kernel == "marlin"
+
+
+def test_a_misfit_layer_goes_to_marlin_per_layer_or_sends_the_whole_model_there():
+    per_layer = choose(config=SMOLLM2)
+    assert per_layer.kernel == "humming"
+    # q is 576 rows: q/k/v (one packed layer) and o and down (576 out) stay on Marlin; gate/up (1536 x 576) fit
+    assert set(per_layer.marlin_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"}
+    whole = choose(config=SMOLLM2, per_layer=False)
+    assert whole.kernel == "marlin" and "vllm_lora_backend='vllm'" in whole.reason
+    # a module the checkpoint did not quantize does not count
+    assert choose(config=SMOLLM2, quantized_modules=["gate_proj", "up_proj"]).marlin_modules == ()
+
+
+def test_forcing_humming_fails_early_with_what_to_do():
+    with pytest.raises(ImportError, match="humming-kernels.*pip install"):
+        choose("humming", version=None)
+    with pytest.raises(ValueError, match="vllm_lora_backend='qerl'"):
+        choose("humming", per_layer=False, config=SMOLLM2)
+    assert choose("humming", capability=ADA).kernel == "humming"  # the user asked for it on another GPU
+    with pytest.raises(ValueError, match="vllm_fp4_kernel must be one of"):
+        choose("cutlass")
+
+
+def test_the_config_refuses_an_unknown_kernel(tmp_path):
+    from qerl_trl import QeRLGRPOConfig
+
+    assert QeRLGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True).vllm_fp4_kernel == "auto"
+    with pytest.raises(ValueError, match="vllm_fp4_kernel must be 'auto', 'humming' or 'marlin'"):
+        QeRLGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, vllm_fp4_kernel="machete")
+
+
+def test_each_backend_asks_vllm_for_the_resolved_kernel(tmp_path, caplog, monkeypatch):
+    from qerl_trl.trainer.vllm_serving import AdapterLoRABackend, VLLMServingSpec, resolve_fp4_kernel
+    from qerl_trl.trainer.vllm_serving import fp4_kernel_choice
+    from qerl_trl.vllm_plugin import LORA_KEY, lora_quantization_overrides
+
+    spec = VLLMServingSpec(checkpoint=str(tmp_path), tokenizer=str(tmp_path), max_lora_rank=32, fp4_kernel="humming")
+    assert AdapterLoRABackend(spec).engine_kwargs(None)["quantization"] == "humming"
+    spec.fp4_kernel = "marlin"
+    assert "quantization" not in AdapterLoRABackend(spec).engine_kwargs(None)
+    ct = {"quantization_config": {"quant_method": "compressed-tensors"}}
+    assert lora_quantization_overrides(ct, 8, ["q_proj"], "humming")["quantization_config"][LORA_KEY]["fp4_kernel"] \
+        == "humming"  # fmt: skip
+    with pytest.raises(ValueError, match="resolved from 'auto' first"):
+        lora_quantization_overrides(ct, 8, ["q_proj"], "auto")
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN7B, **ct}))
+    monkeypatch.setattr(fp4_kernel_choice, "_gpu_capability", lambda: HOPPER)
+    monkeypatch.setattr(fp4_kernel_choice, "installed_humming_version", lambda: "0.1.19")
+    monkeypatch.setenv("HUMMING_CACHE_DIR", str(tmp_path / "empty-cache"))
+    with caplog.at_level("INFO"):
+        got = resolve_fp4_kernel("auto", "qerl", str(tmp_path))
+    assert got.kernel == "humming"
+    assert "vLLM FP4 kernel: humming" in caplog.text and "first engine start compiles" in caplog.text
+    monkeypatch.setattr(fp4_kernel_choice, "installed_humming_version", lambda: None)
+    assert resolve_fp4_kernel("auto", "vllm", str(tmp_path)).kernel == "marlin"
+    with pytest.raises(ImportError, match="pip install"):
+        fp4_kernel_choice.require_humming_if_forced("humming")
