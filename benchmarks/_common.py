@@ -26,15 +26,31 @@ def gpu_uuid() -> str | None:
     return str(torch.cuda.get_device_properties(0).uuid)
 
 
-def keep_runs(rows: list[dict], new: list[dict], key) -> list[dict]:
+def keep_runs(rows: list[dict], new: list[dict], key, is_baseline=None) -> list[dict]:
     """``rows`` with ``new`` added: a new row replaces earlier rows of the same ``key(row)`` from another commit (or
     from no run, or from its own run given again); rows of one commit from different runs are all kept, since
-    each run is its own comparison (one device call with a baseline arm of its own)."""
-    out = list(rows)
+    each run is its own comparison (one device call with a baseline arm of its own).
+
+    Two exceptions keep a measured comparison whole: a new row that did not run (``status`` not ``ok``: a timeout,
+    ``not_run``) does not replace a measured row of another commit, both stay; and with ``is_baseline``, a replaced
+    baseline row (merged BF16, TRL's arm) stays while its run still has other rows, which are ratios against it."""
+    ok = lambda r: r.get("status") == "ok"  # noqa: E731
+
+    def replaces(r: dict, o: dict) -> bool:
+        if key(o) != key(r):
+            return False
+        if o.get("commit") != r.get("commit") and ok(o) and not ok(r):
+            return False
+        return o.get("commit") != r.get("commit") or not o.get("run") or o.get("run") == r.get("run")
+
+    out, dropped = list(rows), []
     for r in new:
-        out = [o for o in out if not (key(o) == key(r) and (o.get("commit") != r.get("commit") or not o.get("run")
-                                                            or o.get("run") == r.get("run")))]
-        out.append(r)
+        dropped += [o for o in out if replaces(r, o)]
+        out = [o for o in out if not replaces(r, o)] + [r]
+    if is_baseline is not None:
+        live = {o.get("run") for o in out if o.get("run") and not is_baseline(o)}
+        out += [d for d in dropped if is_baseline(d) and d.get("run") in live and d.get("run") not in
+                {o.get("run") for o in out if is_baseline(o) and key(o) == key(d)}]
     return out
 
 

@@ -573,7 +573,7 @@ def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | No
                     r.setdefault("commit", file_commit)
                     r.setdefault("run", file_run)
                     new.append(r)
-        kept = keep_runs(kept, new, row_name)
+        kept = keep_runs(kept, new, row_name, is_baseline=lambda r: r["arm"] == "trl_bf16")
     commits: list[str] = []
     for r in kept:
         if r["commit"] and r["commit"] not in commits:

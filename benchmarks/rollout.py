@@ -340,7 +340,8 @@ def merge(files: list[str], out_dir: str) -> str:
         for r in env["rows"]:
             r.setdefault("commit", env.get("commit"))
             seen.setdefault(str(r["commit"]), None)
-        rows = keep_runs(rows, env["rows"], lambda r: (r["size"], r["arm"], row_kernel(r), r["batch"]))
+        rows = keep_runs(rows, env["rows"], lambda r: (r["size"], r["arm"], row_kernel(r), r["batch"]),
+                         is_baseline=lambda r: r["arm"] == "bf16_merged")  # fmt: skip
     add_speedups(rows)
     kept = {str(r["commit"]) for r in rows if r.get("commit")}
     commits = [c for c in seen if c in kept]  # in the order the files name them

@@ -75,7 +75,8 @@ def test_merge_replaces_rows_and_keeps_each_rows_commit(tmp_path):
 
 def test_merge_keeps_both_runs_of_a_size_split_over_two_calls(tmp_path):
     """A size's arms in two calls at one commit, each with its merged-BF16 baseline: both baselines stay, each arm's
-    ratio is against its own call's; a re-run at a later commit replaces both."""
+    ratio is against its own call's. A later commit's baseline does not take them away while their runs have other
+    rows: each run stays a whole comparison."""
     import json
 
     def result(name, commit, run, rows):
@@ -96,8 +97,21 @@ def test_merge_keeps_both_runs_of_a_size_split_over_two_calls(tmp_path):
                    ("nvfp4_vllm_lora", "r2"): 1.1}
     later = result("c", "ddd", "r3", [dict(arm="bf16_merged", tokens_per_s=80.0)])
     env = json.loads(open(rollout.merge([first, second, later], str(tmp_path / "out2"))).read())
-    assert [(r["arm"], r["run"]) for r in env["rows"]] == [("nvfp4_qerl_lora", "r1"), ("nvfp4_vllm_lora", "r2"),
-                                                           ("bf16_merged", "r3")]
+    got = {(r["arm"], r["run"]): r["vs_bf16_merged"] for r in env["rows"]}
+    assert got == {("bf16_merged", "r1"): 1.0, ("nvfp4_qerl_lora", "r1"): 1.3, ("bf16_merged", "r2"): 1.0,
+                   ("nvfp4_vllm_lora", "r2"): 1.1, ("bf16_merged", "r3"): 1.0}
+    # a later run of every arm replaces the older ones, baselines with them; a timeout keeps the measured row
+    last = result("d", "eee", "r4", [dict(arm="bf16_merged", tokens_per_s=70.0),
+                                     dict(arm="nvfp4_qerl_lora", tokens_per_s=77.0),
+                                     dict(arm="nvfp4_vllm_lora", tokens_per_s=0.0)])
+    rows = json.loads(open(last).read())["rows"]
+    rows[2]["status"] = "timeout after 60 s"
+    open(last, "w").write(json.dumps({"benchmark": "rollout", "gpu": "H100", "versions": {}, "commit": "eee",
+                                      "command": "c", "rows": rows}))
+    env = json.loads(open(rollout.merge([first, second, last], str(tmp_path / "out3"))).read())
+    assert sorted((r["arm"], r["run"]) for r in env["rows"]) == [
+        ("bf16_merged", "r2"), ("bf16_merged", "r4"), ("nvfp4_qerl_lora", "r4"), ("nvfp4_vllm_lora", "r2"),
+        ("nvfp4_vllm_lora", "r4")]
 
 
 def test_32b_bf16_is_served_from_vllms_dummy_loader(tmp_path):
