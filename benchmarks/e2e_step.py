@@ -332,6 +332,7 @@ def run_row(spec: RowSpec, work: str, steps: int) -> dict:
         gen = getattr(trainer, "vllm_generation", None) if spec.generation == "vllm" else None
         if spec.arm in QERL_ARMS and gen is not None:  # "auto" resolved on this machine (Humming or Marlin)
             row["fp4_kernel"] = gen.serving.fp4_kernel
+            row["engine_start_s"] = round(gen.engine_start_seconds, 1)
         if gen is not None:
             sync_t, roll_t = _Timed(gen, "sync_weights"), _Timed(gen, "generate")
         else:
@@ -397,6 +398,7 @@ def _child(spec: RowSpec, work: str, steps: int, out: str) -> None:
 def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float, run: str) -> list[dict]:
     """Each spec in its own child process, one after another; every row is appended to ``jsonl`` as it finishes,
     tagged with ``run``."""
+    from benchmarks._child import run_child
     from benchmarks._common import gpu_uuid
 
     uuid = gpu_uuid()
@@ -422,19 +424,12 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
             else:
                 cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(spec)), "--work", work,
                        "--steps", str(steps), "--row-out", out]
-                try:
-                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-                    rc, log = proc.returncode, proc.stdout[-3000:] + proc.stderr[-6000:]
-                except subprocess.TimeoutExpired as e:
-                    rc, log = "timeout", str(e.stdout or "")[-2000:] + str(e.stderr or "")[-4000:]
-                if os.path.exists(out):
+                res = run_child(cmd, timeout)
+                if not res.timed_out and os.path.exists(out):
                     with open(out) as f:
                         row = json.load(f)
                 else:
-                    status = f"timeout after {timeout:.0f} s" if rc == "timeout" else f"failed: exit code {rc}"
-                    if "out of memory" in log.lower():
-                        status = "oom: " + status
-                    row = dict(dataclasses.asdict(spec), status=status, log_tail=log[-2500:])
+                    row = dict(dataclasses.asdict(spec), status=res.status, log_tail=res.log[-2500:])
             row["row_wall_s"] = round(time.perf_counter() - t0, 1)
             row["run"], row["gpu_uuid"] = run, uuid
             rows.append(row)

@@ -4,7 +4,7 @@
 
 What the single-LoRA vLLM path (``vllm_lora_backend="qerl"``) adds to each NVFP4 linear at decode, at Qwen2.5
 layer shapes, r=32, bf16. Each arm is timed as vLLM runs decode: one call per distinct copy of the layer's A and
-B, back to back inside one CUDA graph, replayed (``decode_linear.graph_us``: the median of 5 timed batches).
+B, back to back inside one CUDA graph, replayed (:func:`graph_us`: the median of 5 timed batches).
 The launch gaps are the graph's, not the host's. The
 copies add up to 160 MB (at least 8 and at most 64 copies), so A and B mostly come from HBM, as in decode, where
 every other layer's weights evict them from the 50 MB L2.
@@ -29,10 +29,45 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks._common import write_result  # noqa: E402
-from benchmarks.decode_linear import SHAPES, graph_us  # noqa: E402
 from qerl_trl.vllm_plugin import lora_kernels as lk  # noqa: E402
 
 LAYERS = {"7b": 28, "14b": 48, "32b": 64}
+#: a Qwen2.5 decoder layer's four vLLM linears: {name: (output sizes of the packed sub-modules, input size)}
+SHAPES = {
+    "7b": {"qkv": ([3584, 512, 512], 3584), "o": ([3584], 3584), "gate_up": ([18944, 18944], 3584),
+           "down": ([3584], 18944)},
+    "14b": {"qkv": ([5120, 1024, 1024], 5120), "o": ([5120], 5120), "gate_up": ([13824, 13824], 5120),
+            "down": ([5120], 13824)},
+    "32b": {"qkv": ([5120, 1024, 1024], 5120), "o": ([5120], 5120), "gate_up": ([27648, 27648], 5120),
+            "down": ([5120], 27648)},
+}  # fmt: skip
+
+
+def graph_us(fns, replays: int = 30) -> float:
+    """Microseconds per call with ``fns`` (one call each) captured back to back in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns[:2]:
+            fn()  # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):  # the median of 5 timed batches of replays
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (replays * len(fns)))
+    del graph
+    return sorted(times)[2]
 
 
 #: (variant, column block, K step) tried by ``--sweep``

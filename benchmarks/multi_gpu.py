@@ -19,10 +19,8 @@ import dataclasses
 import hashlib
 import json
 import os
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -164,6 +162,8 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
 
 
 def run_mode(mode: str, spec, work: str, steps: int, timeout: float) -> dict:
+    from benchmarks._child import run_child
+
     processes, tp = MODES[mode]
     out_dir = os.path.join(work, f"mode-{mode}")
     os.makedirs(out_dir, exist_ok=True)
@@ -176,16 +176,8 @@ def run_mode(mode: str, spec, work: str, steps: int, timeout: float) -> dict:
            str(port), __file__, "--worker", json.dumps(dataclasses.asdict(spec)), "--work", work, "--steps",
            str(steps), "--tp", str(tp), "--rank-dir", out_dir]  # fmt: skip
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        timed_out = True
+    res = run_child(cmd, timeout, env=env)
+    timed_out, log = res.timed_out, res.log
     ranks = []
     for name in sorted(os.listdir(out_dir)):
         with open(os.path.join(out_dir, name)) as f:
@@ -196,7 +188,7 @@ def run_mode(mode: str, spec, work: str, steps: int, timeout: float) -> dict:
     if row["status"] != "ok":
         row["log_tail"] = (log or "")[-2500:]
     row.update(size=spec.size, prompts=spec.prompts, generations=spec.generations,
-               completion_len=spec.completion_len, mode_wall_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+               completion_len=spec.completion_len, mode_wall_s=res.wall_s)  # fmt: skip
     return row
 
 

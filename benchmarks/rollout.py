@@ -42,7 +42,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -371,28 +370,21 @@ def engine_timeout(timeout: float, deadline: float | None, elapsed: float) -> fl
 
 def run_arm(spec: EngineSpec, work: str, timeout: float) -> list[dict]:
     """One engine in its own process (``--child``): its rows, or rows with the failure's status. The child's output
-    goes to ``<work>/rollout-<size>-<arm>.log``; a failed or timed-out engine's rows keep its tail (where it
-    stopped: loading, compiling, capturing CUDA graphs)."""
+    goes to ``<work>/rollout-<size>-<arm>[-<kernel>].log``; a failed or timed-out engine's rows keep its tail."""
+    from benchmarks._child import run_child
+
     out = os.path.join(work, "rollout-rows.json")
     if os.path.exists(out):
         os.remove(out)
     log_path = os.path.join(work, f"rollout-{spec.size}-{spec.arm}{'-' + spec.kernel if spec.kernel else ''}.log")
     cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(spec)), "--work", work,
            "--rows-out", out]  # fmt: skip
-    with open(log_path, "w") as log_file:
-        try:
-            subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-            status = None
-        except subprocess.TimeoutExpired:
-            status = f"timeout after {timeout:.0f} s"
-    with open(log_path, errors="replace") as f:
-        log = f.read()[-5000:]
-    if status is None and os.path.exists(out):
+    res = run_child(cmd, timeout, log_path=log_path)
+    if not res.timed_out and os.path.exists(out):
         with open(out) as f:
             return json.load(f)
-    status = status or f"failed: {log[-300:]}"
-    return [dict(size=spec.size, arm=spec.arm, kernel=spec.kernel, batch=b, status=status, log_tail=log)
-            for b in spec.batches]  # fmt: skip
+    return [dict(size=spec.size, arm=spec.arm, kernel=spec.kernel, batch=b, status=res.status,
+                 log_tail=res.log[-5000:]) for b in spec.batches]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> str | None:

@@ -18,9 +18,19 @@ README = (ROOT / "README.md").read_text()
 RUN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{6}")
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
-ROLLOUT_ARMS = {"merged BF16 (TRL)": "bf16_merged", "NVFP4 + vLLM's LoRA": "nvfp4_vllm_lora",
-                'NVFP4 + `"qerl"`': "nvfp4_qerl_lora", "NVFP4, no LoRA": "nvfp4"}  # fmt: skip
-STEP_ARMS = {"TRL BF16 LoRA": "trl_bf16", 'QeRL, `"vllm"`': "qerl", 'QeRL, `"qerl"` (default)': "qerl_single_lora"}
+#: column -> (arm, FP4 kernel): "NVFP4" columns are the runs on Marlin, "Humming" ones on Humming
+ROLLOUT_ARMS = {"merged BF16 (TRL)": ("bf16_merged", None), "NVFP4 + vLLM's LoRA": ("nvfp4_vllm_lora", "marlin"),
+                'NVFP4 + `"qerl"`': ("nvfp4_qerl_lora", "marlin"), "NVFP4, no LoRA": ("nvfp4", "marlin"),
+                "Humming + vLLM's LoRA": ("nvfp4_vllm_lora", "humming"),
+                'Humming + `"qerl"`': ("nvfp4_qerl_lora", "humming"), "Humming, no LoRA": ("nvfp4", "humming")}
+STEP_ARMS = {"TRL BF16 LoRA": ("trl_bf16", None), 'QeRL, `"vllm"`': ("qerl", None),
+             'QeRL, `"qerl"` (default)': ("qerl_single_lora", None),
+             'QeRL, `"qerl"` (default), Humming': ("qerl_single_lora", "humming")}  # fmt: skip
+
+
+def _kernel(row: dict) -> str | None:
+    """A rollout row's FP4 kernel (rows from before it was recorded ran on Marlin)."""
+    return None if row["arm"] == "bf16_merged" else row.get("kernel") or "marlin"
 
 
 def _rows(name: str) -> list[dict]:
@@ -55,24 +65,24 @@ def test_rollout_tables_are_the_json_rows_of_the_run_they_name(size):
     arms_shown = set()
     for before, header, body in tables:  # a size's arms may be split over runs: one table per run
         run = RUN.findall(before.rstrip().split("\n\n")[-1])[0]  # the first run the paragraph above names
-        rows = {(r["arm"], r["batch"]): r for r in _rows("rollout-h100.json")
+        rows = {(r["arm"], _kernel(r), r["batch"]): r for r in _rows("rollout-h100.json")
                 if r["size"] == size and r.get("run") == run}  # fmt: skip
         assert rows, f"README's {size} rollout table names run {run}, which rollout-h100.json does not hold"
         checked = 0
         for cells in body:
             batch = int(cells[0])
             for col, cell in zip(header[1:], cells[1:]):
-                row = rows[(ROLLOUT_ARMS[col], batch)]
+                row = rows[(*ROLLOUT_ARMS[col], batch)]
                 assert row["status"] == "ok"
                 figures = NUMBER.findall(cell)
                 assert _close(figures[0], row["tokens_per_s"]), (size, col, batch, cell, row["tokens_per_s"])
                 if "×" in cell:
                     assert _close(figures[1], row["vs_bf16_merged"]), (size, col, batch, cell, row["vs_bf16_merged"])
                 assert ("KV-limited" in cell) == bool(row.get("kv_limited")), (size, col, batch, cell)
-                arms_shown.add(ROLLOUT_ARMS[col])
+                arms_shown.add(ROLLOUT_ARMS[col][0])
                 checked += 1
         assert checked >= 8
-    missing = set(ROLLOUT_ARMS.values()) - arms_shown
+    missing = {arm for arm, _ in ROLLOUT_ARMS.values()} - arms_shown
     assert not missing, f"README's {size} rollout tables leave out {missing}"
 
 
@@ -86,10 +96,11 @@ def test_the_step_table_is_the_json_rows_of_the_runs_it_names():
             p, g, n, sleep = re.fullmatch(r"(\d+) × (\d+) × (\d+), (no sleep|sleep)", cells[0]).groups()
             setting = (int(p), int(g), int(n), sleep == "sleep")
             run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
-        arm = STEP_ARMS[cells[2]]
+        arm, kernel = STEP_ARMS[cells[2]]
         (row,) = [r for r in rows if r.get("run") == run and r["arm"] == arm and r["size"] == "7b"
                   and (r["prompts"], r["generations"], r["completion_len"], r["sleep"]) == setting]  # fmt: skip
         assert row["status"] == "ok" and row["commit"].startswith(commit), (run, arm)
+        assert kernel is None or row.get("fp4_kernel") == kernel, (run, arm, row.get("fp4_kernel"))
         step, low, high = NUMBER.findall(cells[3])
         assert _close(step, row["step_s"]) and _close(low, row["step_s_min"]) and _close(high, row["step_s_max"])
         rollout, sync, rest = NUMBER.findall(cells[4])

@@ -149,7 +149,6 @@ def test_a_call_with_a_deadline_leaves_a_row_per_arm_with_the_engines_log(tmp_pa
     """Three arms against a 400 s deadline: the first engine finishes (100 s), the second runs into its cut-down
     timeout (its rows keep the log's tail), the third cannot start in time and is recorded as not run."""
     import json
-    import subprocess
 
     from benchmarks import e2e_step
 
@@ -157,14 +156,11 @@ def test_a_call_with_a_deadline_leaves_a_row_per_arm_with_the_engines_log(tmp_pa
     monkeypatch.setattr(rollout.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(e2e_step, "prepare_checkpoints", lambda *a, **k: None)
     timeouts = []
-    real_run = subprocess.run
+    from benchmarks import _child
 
-    def fake_run(cmd, stdout=None, stderr=None, text=None, timeout=None, **kw):
-        if "--child" not in cmd:  # git, for the rows' commit
-            return real_run(cmd, stdout=stdout, stderr=stderr, text=text, timeout=timeout, **kw)
+    def fake_run_child(cmd, timeout, log_path=None, env=None):
         spec = json.loads(cmd[cmd.index("--child") + 1])
-        stdout.write(f"loading {spec['arm']}\nCapturing CUDA graphs 40%\n")
-        stdout.flush()
+        log = f"loading {spec['arm']}\nCapturing CUDA graphs 40%\n"
         timeouts.append(timeout)
         if spec["arm"] == "bf16_merged":
             clock[0] += 100.0
@@ -172,11 +168,11 @@ def test_a_call_with_a_deadline_leaves_a_row_per_arm_with_the_engines_log(tmp_pa
                     for b in spec["batches"]]  # fmt: skip
             with open(cmd[cmd.index("--rows-out") + 1], "w") as f:
                 json.dump(rows, f)
-            return subprocess.CompletedProcess(cmd, 0)
+            return _child.ChildResult(0, False, timeout, log, 100.0)
         clock[0] += timeout
-        raise subprocess.TimeoutExpired(cmd, timeout)
+        return _child.ChildResult(None, True, timeout, log, timeout)
 
-    monkeypatch.setattr(rollout.subprocess, "run", fake_run)
+    monkeypatch.setattr(_child, "run_child", fake_run_child)
     path = rollout.main(["--sizes", "7b", "--arms", "bf16_merged", "nvfp4", "nvfp4_qerl_lora", "--batches", "1", "16",
                          "--timeout", "600", "--deadline", "400", "--work", str(tmp_path), "--out-dir",
                          str(tmp_path / "out")])  # fmt: skip
@@ -206,3 +202,33 @@ def test_arms_name_their_fp4_kernel_and_the_lora_overhead_is_against_the_same_ke
     rollout.add_speedups(rows)
     assert rows[3]["lora_overhead_vs_nvfp4"] == 0.25 and rows[4]["lora_overhead_vs_nvfp4"] == 0.25
     assert rows[2]["vs_bf16_merged"] == 1.3
+
+
+def test_a_child_past_its_limit_is_killed_with_its_process_group_and_its_log_kept(tmp_path):
+    """``benchmarks._child.run_child``, which runs every arm of rollout.py, e2e_step.py and multi_gpu.py: a child that
+    outlives its limit is killed with the process it started (a vLLM engine would keep the GPU), and its output's
+    tail and a status come back; a child that ends keeps its exit code."""
+    import sys
+    import time
+
+    from benchmarks._child import run_child
+
+    pid_file = tmp_path / "grandchild.pid"
+    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('Capturing CUDA graphs 40%', flush=True); "
+              "time.sleep(60)")
+    t0 = time.monotonic()
+    res = run_child([sys.executable, "-c", script], timeout=3, log_path=str(tmp_path / "child.log"))
+    assert time.monotonic() - t0 < 30 and res.timed_out and res.returncode is None
+    assert res.status == "timeout after 3 s" and "Capturing CUDA graphs 40%" in res.log
+    grandchild = int(pid_file.read_text())
+    time.sleep(0.5)
+    try:
+        os.kill(grandchild, 0)
+        with open(f"/proc/{grandchild}/stat") as f:
+            alive = f.read().split()[2] != "Z"  # a zombie waiting for init is dead
+    except (ProcessLookupError, FileNotFoundError):
+        alive = False
+    assert not alive, "the engine-like grandchild outlived the killed arm"
+    oom = run_child([sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"], timeout=30)
+    assert not oom.timed_out and oom.returncode == 3 and oom.status == "oom: failed: exit code 3"

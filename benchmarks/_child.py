@@ -1,0 +1,61 @@
+"""One benchmark arm in a child process: a fresh CUDA context and vLLM engine for every arm, as a user's run has.
+
+``run_child`` runs the command with a time limit and kills its whole process group at the limit (a vLLM engine or
+a ``torchrun`` worker left behind would hold the GPU for the next arm). The caller reads what the child wrote; when
+it wrote nothing, :attr:`ChildResult.status` says why (timeout, out of memory, exit code) and ``log`` keeps the tail
+of its output: where it stopped (loading, compiling, capturing CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["ChildResult", "run_child"]
+
+#: characters of a child's output kept for a failed row
+LOG_TAIL = 8000
+
+
+@dataclass(frozen=True)
+class ChildResult:
+    returncode: int | None  # None when killed at the time limit
+    timed_out: bool
+    timeout: float
+    log: str  # the tail of stdout and stderr together
+    wall_s: float
+
+    @property
+    def status(self) -> str:
+        """A failed row's status: ``timeout after N s``, ``failed: exit code N``, ``oom: ...`` when the log says so."""
+        status = f"timeout after {self.timeout:.0f} s" if self.timed_out else f"failed: exit code {self.returncode}"
+        return "oom: " + status if "out of memory" in self.log.lower() else status
+
+
+def run_child(cmd: Sequence[str], timeout: float, *, log_path: str | None = None,
+              env: Mapping[str, str] | None = None) -> ChildResult:  # fmt: skip
+    """Run ``cmd`` (its output to ``log_path`` when given, else kept in memory) for at most ``timeout`` seconds."""
+    t0 = time.perf_counter()
+    sink = open(log_path, "w") if log_path else subprocess.PIPE  # noqa: SIM115 - closed below
+    try:
+        proc = subprocess.Popen(list(cmd), stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env=dict(env) if env is not None else None)  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            timed_out = True
+    finally:
+        if log_path:
+            sink.close()
+    if log_path:
+        with open(log_path, errors="replace") as f:
+            out = f.read()
+    return ChildResult(None if timed_out else proc.returncode, timed_out, timeout, (out or "")[-LOG_TAIL:],
+                       round(time.perf_counter() - t0, 1))  # fmt: skip
