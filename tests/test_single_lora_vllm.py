@@ -318,7 +318,7 @@ def test_untargeted_linears_keep_the_plain_method_and_partly_targeted_packs_get_
 
 
 @pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (1, "nvfp4+serial"), (2, "nvfp4"), (2, "nvfp4+serial"),
-                                          (1, "nvfp4+humming"), (2, "nvfp4+serial+humming")])
+                                          (1, "nvfp4+humming")])
 def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size, mode):
     """QeRLNVFP4LoRAConfig on vLLM's compressed-tensors NVFP4A16 scheme (Marlin on a GPU; on CPU a dequantizing
     stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference, through either LoRA
