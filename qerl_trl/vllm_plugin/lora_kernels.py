@@ -39,7 +39,7 @@ import triton.language as tl
 from qerl_trl.nvfp4._launch import KernelLauncher
 from qerl_trl.nvfp4.triton_kernels import _interpreting
 
-__all__ = ["KERNEL_MAX_ROWS", "lora_delta_add", "lora_delta_add_reference", "lora_shrink", "lora_slot_bounds"]
+__all__ = ["KERNEL_MAX_ROWS", "lora_delta_add", "lora_delta_add_reference", "lora_slot_bounds"]
 
 #: Rows (tokens) up to which the Triton pairs run; above it the two cuBLAS GEMMs. From
 #: ``benchmarks/results/lora_delta-h100.json`` (Qwen2.5 7B and 32B layers, r=32, L2-cold): at 32 rows every kernel
@@ -188,14 +188,6 @@ def _shrink(x2: torch.Tensor, a: torch.Tensor, semaphores: torch.Tensor, bk: int
                    ("shrink", k_chunk, bm, bk, sc, prec, upcast, serial),
                    dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=bk, SC=sc, PREC=prec, UPCAST=upcast, SERIAL=serial))  # fmt: skip
     return partials, shrunk, splits, sc
-
-
-def lora_shrink(x2: torch.Tensor, a: torch.Tensor, semaphores: torch.Tensor) -> torch.Tensor:
-    """``x2 A^T`` ``[m, R]`` in ``x2``'s dtype (rounded once, as a 16-bit GEMM does) in one launch: the serial
-    shrink. ``semaphores``: zeroed int32, at least ``cdiv(R, 32) * cdiv(m, 64)`` (left at zero)."""
-    if a.stride(-1) != 1 or x2.stride(-1) != 1:
-        raise ValueError("lora_shrink: x and A must have contiguous rows.")
-    return _shrink(x2, a, semaphores, _BK, True)[1]
 
 
 def _launch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, rank: int,
