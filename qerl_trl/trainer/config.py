@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..vllm_plugin.fp4_kernel import FP4_KERNELS  # imports no vLLM
+
 __all__ = ["QeRLGRPOConfig", "default_cache_dir"]
 
 
@@ -140,7 +142,7 @@ class QeRLGRPOConfig(GRPOConfig):
         metadata={
             "help": "The FP4 GEMM of the vLLM engine: 'auto' (Humming on Hopper where installed and the shapes fit, "
             "else Marlin), 'humming' or 'marlin'.",
-            "choices": ["auto", "humming", "marlin"],
+            "choices": list(FP4_KERNELS),
         },
     )
     vllm_max_lora_rank: int | None = field(
@@ -175,7 +177,7 @@ class QeRLGRPOConfig(GRPOConfig):
                 f"vllm_lora_backend must be 'vllm' (vLLM's LoRA adapters) or 'qerl' (the LoRA inside QeRL's NVFP4 "
                 f"vLLM method), got {self.vllm_lora_backend!r}."
             )
-        if self.vllm_fp4_kernel not in ("auto", "humming", "marlin"):
+        if self.vllm_fp4_kernel not in FP4_KERNELS:
             raise ValueError(
                 f"vllm_fp4_kernel must be 'auto', 'humming' or 'marlin', got {self.vllm_fp4_kernel!r}."
             )

@@ -22,6 +22,7 @@ from importlib import metadata
 from typing import Any
 
 __all__ = [
+    "DECODER_LINEARS",
     "FP4_KERNELS",
     "HUMMING_DIST",
     "HUMMING_K_MULTIPLE",
@@ -30,11 +31,14 @@ __all__ = [
     "choose_fp4_kernel",
     "decoder_linear_shapes",
     "humming_cache_dir",
+    "humming_missing",
     "humming_shape_problem",
     "installed_humming_version",
 ]
 
 FP4_KERNELS = ("auto", "humming", "marlin")
+#: the leaf names of a dense decoder layer's linears
+DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HUMMING_DIST = "humming-kernels"
 #: Humming's documented shape limits (per tensor-parallel shard): N a multiple of 128, K of 64
 HUMMING_N_MULTIPLE = 128
@@ -66,6 +70,14 @@ def installed_humming_version() -> str | None:
         return metadata.version(HUMMING_DIST)
     except metadata.PackageNotFoundError:
         return None
+
+
+def humming_missing() -> ImportError:
+    """The error for ``vllm_fp4_kernel='humming'`` without the package (the trainer raises it before any weight loads)."""
+    return ImportError(
+        f"vllm_fp4_kernel='humming' needs the {HUMMING_DIST} package, which is not installed: "
+        "pip install 'qerl-trl[vllm]' (or set vllm_fp4_kernel='auto' to use it where it is installed)."
+    )
 
 
 def humming_cache_dir() -> str:
@@ -147,10 +159,7 @@ def choose_fp4_kernel(
     misfit_text = ", ".join(f"{k}: {v}" for k, v in misfits.items())
     if requested == "humming":
         if humming_version is None:
-            raise ImportError(
-                f"vllm_fp4_kernel='humming' needs the {HUMMING_DIST} package, which is not installed: "
-                f"pip install 'qerl-trl[vllm]' (or set vllm_fp4_kernel='auto')."
-            )
+            raise humming_missing()
         if misfits and not per_layer:
             raise ValueError(
                 f"vllm_fp4_kernel='humming' with vllm_lora_backend='vllm' serves the whole model on Humming, which "

@@ -9,9 +9,11 @@ import logging
 import os
 
 from ...vllm_plugin.fp4_kernel import (
+    DECODER_LINEARS,
     FP4KernelChoice,
     choose_fp4_kernel,
     humming_cache_dir,
+    humming_missing,
     installed_humming_version,
 )
 
@@ -23,10 +25,7 @@ __all__ = ["require_humming_if_forced", "resolve_fp4_kernel"]
 def require_humming_if_forced(requested: str) -> None:
     """Before any weight loads: ``vllm_fp4_kernel='humming'`` without the package is an error that says what to do."""
     if requested == "humming" and installed_humming_version() is None:
-        raise ImportError(
-            "vllm_fp4_kernel='humming' needs the humming-kernels package, which is not installed: "
-            "pip install 'qerl-trl[vllm]' (or set vllm_fp4_kernel='auto' to use it where it is installed)."
-        )
+        raise humming_missing()
 
 
 def _gpu_capability() -> tuple[int, int] | None:
@@ -40,8 +39,7 @@ def _quantized_modules(config: dict) -> set[str] | None:
     ignore = (config.get("quantization_config") or {}).get("ignore") or []
     if not ignore:
         return None
-    leaves = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    return {leaf for leaf in leaves if not any(str(i).endswith(leaf) for i in ignore)}
+    return {leaf for leaf in DECODER_LINEARS if not any(str(i).endswith(leaf) for i in ignore)}
 
 
 def resolve_fp4_kernel(requested: str, lora_backend: str, checkpoint: str, tp_size: int = 1) -> FP4KernelChoice:
