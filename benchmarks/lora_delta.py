@@ -1,21 +1,25 @@
-"""GPU time of the single-LoRA delta ``y + (x A^T) B^T`` per linear layer: Triton kernels vs two cuBLAS GEMMs.
+"""GPU time the single-LoRA delta ``y += (x A^T) B^T`` adds to one linear layer, beside a base GEMM, as vLLM runs it.
 
     python benchmarks/lora_delta.py [--out-dir benchmarks/results]        # -> lora_delta-<gpu>.json
 
 What the single-LoRA vLLM path (``vllm_lora_backend="qerl"``) adds to each NVFP4 linear at decode, at Qwen2.5
-layer shapes, r=32, bf16. Each arm is timed as vLLM runs decode: one call per distinct copy of the layer's A and
-B, back to back inside one CUDA graph, replayed (:func:`graph_us`: the median of 5 timed batches).
-The launch gaps are the graph's, not the host's. The
-copies add up to 160 MB (at least 8 and at most 64 copies), so A and B mostly come from HBM, as in decode, where
-every other layer's weights evict them from the 50 MB L2.
+layer shapes, r=32, bf16. The base GEMM's stand-in is a bf16 GEMM reading as many weight bytes as the NVFP4 layer
+(``[N, K/4]`` bf16 against NVFP4's ``[N, K]`` at 4.5 bits): the shrink runs beside it, so the LoRA's cost depends
+on what it runs beside. Each arm is timed as vLLM runs decode: one call per distinct copy of the layer's weights,
+back to back inside one CUDA graph, replayed (:func:`graph_us`: the median of 5 timed batches). The copies add up
+to 160 MB or more (at least 4 and at most 64), so the weights mostly come from HBM, as in decode, where every other
+layer's weights evict them from the 50 MB L2.
 
-Rows ``{size, layer, rows, path, variant, bn, bk, us, vs_cublas, max_rel_err_vs_cublas}``. ``path`` is one of:
+Rows ``{size, layer, rows, path, us, lora_us, max_rel_err}`` per arm (``path``):
 
-* ``cublas``: ``lora_delta_add_reference``, the two GEMMs;
-* ``shipped``: ``lora_delta_add`` as the product dispatches it, up to ``KERNEL_MAX_ROWS`` rows;
-* ``kernel``: with ``--sweep``, every ``SWEEP`` configuration of ``lora_kernels._launch``.
+* ``base``: the stand-in base GEMM alone;
+* ``cublas``: base, then ``lora_delta_add_reference`` (two GEMMs, out of place: the path above 16 rows until
+  LORA_OPS_VERSION 2);
+* ``inline``: the shipped ops with the shrink on the main stream (no overlap);
+* ``shipped``: ``lora_shrink`` (side stream), base, ``lora_expand_`` (in place), as ``SingleLoRALinearMethod``.
 
-A per-step figure is printed: the sum over a layer's four linears times the number of layers.
+``lora_us`` is the arm's time less ``base``'s. A per-step figure is printed: the sum over a layer's four linears
+times the number of layers.
 """
 
 from __future__ import annotations
@@ -70,72 +74,80 @@ def graph_us(fns, replays: int = 30) -> float:
     return sorted(times)[2]
 
 
-#: (variant, column block, K step) tried by ``--sweep``
-SWEEP = [("split", 64, 128), ("serial", 64, 128), ("serial", 128, 128)]
-
-
 def layer_copies(slot_rows: list[int], k: int, r: int, copies: int, dev: str, dt: torch.dtype):
-    """``copies`` independent (A, block-diagonal B) pairs of one layer shape, and its slot bounds."""
+    """``copies`` independent (base weight stand-in, A, block-diagonal B, partials) of one layer shape, and its
+    slot bounds (semaphores: the copies' shrinks run one after another on one stream)."""
     n, s = sum(slot_rows), len(slot_rows)
     out = []
     for _ in range(copies):
+        w = torch.randn(n, k // 4, device=dev, dtype=dt) / k**0.5
         lora_a = torch.randn(s * r, k, device=dev, dtype=dt) / k**0.5
         lora_b = torch.zeros(n, s * r, device=dev, dtype=dt)
         start = 0
         for j, rows in enumerate(slot_rows):
             lora_b[start : start + rows, j * r : (j + 1) * r] = torch.randn(rows, r, device=dev, dtype=dt)
             start += rows
-        out.append((lora_a, lora_b))
+        out.append((w, lora_a, lora_b, lk.lora_partials(s * r, dev)))
     starts = [sum(slot_rows[:j]) for j in range(s)]
-    return out, lk.lora_slot_bounds(starts, n, dev)
+    return out, lk.lora_slot_bounds(starts, n, s * r, dev)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="*", default=["7b", "32b"], choices=list(SHAPES))
-    ap.add_argument("--rows", nargs="*", type=int, default=[1, 8, 16, 64, 128])
+    ap.add_argument("--rows", nargs="*", type=int, default=[1, 16, 64, 128, 256])
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--sweep", action="store_true", help="time every kernel variant in SWEEP, not only the shipped one")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     dev, dt, r = "cuda", torch.bfloat16, a.rank
     rows_out = []
+    overlapping = lk._side_stream
     for size in a.sizes:
         for m in a.rows:
             for name, (slot_rows, k) in SHAPES[size].items():
                 n = sum(slot_rows)
-                # enough distinct copies that the graph's calls read A and B from HBM, as decode does (every layer
-                # in between evicts them from the 50 MB L2)
-                layer_bytes = (len(slot_rows) * r * k + n * len(slot_rows) * r) * 2
-                copies = max(8, min(64, -(-160 * 2**20 // layer_bytes)))
-                pairs, bounds = layer_copies(slot_rows, k, r, copies, dev, dt)
+                # enough distinct copies that the graph's calls read the weights from HBM, as decode does (every
+                # layer in between evicts them from the 50 MB L2)
+                layer_bytes = (n * (k // 4) + len(slot_rows) * r * k + n * len(slot_rows) * r) * 2
+                copies = max(4, min(64, -(-160 * 2**20 // layer_bytes)))
+                layers, bounds = layer_copies(slot_rows, k, r, copies, dev, dt)
                 x = torch.randn(m, k, device=dev, dtype=dt)
-                y = torch.randn(m, n, device=dev, dtype=dt)
-                la, lb = pairs[0]
-                want = lk.lora_delta_add_reference(y, x, la, lb).float()
-                arms = {("cublas", None, None, None): lambda p: lk.lora_delta_add_reference(y, x, *p)}
-                configs = SWEEP if a.sweep else []
-                for v, bn, bk in configs:
-                    arms[("kernel", v, bn, bk)] = (
-                        lambda p, v=v, bn=bn, bk=bk: lk._launch(y, x, *p, bounds, r, variant=v, bn=bn, bk=bk))  # fmt: skip
-                if m <= lk.KERNEL_MAX_ROWS:
-                    arms[("shipped", None, None, None)] = lambda p: lk.lora_delta_add(y, x, *p, bounds, r)
-                base = None
-                for (path, v, bn, bk), fn in arms.items():
-                    err = ((fn(pairs[0]).float() - want).abs().max() / want.abs().max()).item()
-                    us = graph_us([lambda p=p: fn(p) for p in pairs])
-                    base = us if path == "cublas" else base
-                    rows_out.append(dict(size=size, layer=name, rows=m, rank=r, path=path, variant=v, bn=bn, bk=bk,
-                                         us=round(us, 2), vs_cublas=round(base / us, 3),
-                                         max_rel_err_vs_cublas=round(err, 5)))  # fmt: skip
-                    print(f"{size} m={m:3d} {name:8s} {path:8s} {v or '':7s} {bn or '':>4} {bk or '':>4} {us:7.2f} us "
-                          f"x{base / us:.2f} err {err:.1e}", flush=True)  # fmt: skip
-            for path in ("cublas", "shipped"):
-                sel = [x["us"] for x in rows_out if x["size"] == size and x["rows"] == m and x["path"] == path]
+                xq = x[:, : k // 4]
+
+                def base(p):
+                    return xq @ p[0].t()
+
+                def cublas(p):
+                    return lk.lora_delta_add_reference(base(p), x, p[1], p[2])
+
+                def shipped(p):
+                    shrunk = lk.lora_shrink(x, p[1], bounds, p[3], r)
+                    y = base(p)
+                    lk.lora_expand_(y, x, shrunk, p[2], bounds, r)
+                    return y
+
+                want = cublas(layers[0]).float()
+                base_us = None
+                for path, fn in (("base", base), ("cublas", cublas), ("inline", shipped), ("shipped", shipped)):
+                    # "inline": the shrink on the main stream, one launch after the other
+                    lk._side_stream = overlapping if path != "inline" else (lambda d: torch.cuda.current_stream(d))
+                    err = ((fn(layers[0]).float() - want).abs().max() / want.abs().max()).item()
+                    us = graph_us([lambda p=p: fn(p) for p in layers])
+                    base_us = us if path == "base" else base_us
+                    rows_out.append(dict(size=size, layer=name, rows=m, rank=r, path=path, us=round(us, 2),
+                                         lora_us=round(us - base_us, 2), max_rel_err=round(err, 5)))  # fmt: skip
+                    print(f"{size} m={m:3d} {name:8s} {path:8s} {us:7.2f} us  LoRA {us - base_us:6.2f} us  err "
+                          f"{err:.1e}", flush=True)  # fmt: skip
+                lk._side_stream = overlapping
+                del layers
+            for path in ("base", "cublas", "inline", "shipped"):
+                sel = [x for x in rows_out if x["size"] == size and x["rows"] == m and x["path"] == path]
                 if len(sel) == len(SHAPES[size]):
-                    print(f"{size} m={m}: {path} per decode step (x{LAYERS[size]} layers) "
-                          f"{sum(sel) * LAYERS[size] / 1000:.3f} ms", flush=True)  # fmt: skip
+                    tot = sum(x["us"] for x in sel) * LAYERS[size] / 1000
+                    lora = sum(x["lora_us"] for x in sel) * LAYERS[size] / 1000
+                    print(f"{size} m={m}: {path} per decode step (x{LAYERS[size]} layers) {tot:.3f} ms, LoRA {lora:.3f} "
+                          "ms", flush=True)  # fmt: skip
     print("wrote", write_result("lora_delta", rows_out, a.out_dir))
 
 

@@ -86,7 +86,7 @@ def packed_lora(slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, dev
         b[start : start + rows, j * rank : (j + 1) * rank] = torch.randn(rows, rank, generator=g) * b_scale
         starts.append(start)
         start += rows
-    return a.to(device, dtype), b.to(device, dtype), lora_slot_bounds(starts, start, device)
+    return a.to(device, dtype), b.to(device, dtype), lora_slot_bounds(starts, start, s * rank, device)
 
 
 def has_cuda() -> bool:

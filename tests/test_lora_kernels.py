@@ -1,7 +1,9 @@
-"""The single-LoRA delta kernels (``qerl_trl.vllm_plugin.lora_kernels``) against the two-GEMM formulation.
+"""The single-LoRA delta (``qerl_trl.vllm_plugin.lora_kernels``: the shrink, then the in-place expand) against the
+two-GEMM formulation.
 
-On CPU they run under ``TRITON_INTERPRET=1`` (what CI sets); on a GPU the same tests run the compiled kernels, and
-the ``gpu`` test below runs Qwen2.5-7B's layer shapes at decode sizes."""
+On CPU they run under ``TRITON_INTERPRET=1`` (what CI sets); on a GPU the same tests run the compiled kernels with
+the shrink on its side stream, and the ``gpu`` tests run Qwen2.5-7B's layer shapes at decode sizes, also inside a
+CUDA graph with a GEMM between the two ops, as vLLM runs them."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from conftest import packed_lora
 from qerl_trl.vllm_plugin import lora_kernels
 from qerl_trl.vllm_plugin.lora_kernels import (
     KERNEL_MAX_ROWS,
-    lora_delta_add,
     lora_delta_add_reference,
+    lora_expand_,
+    lora_partials,
+    lora_shrink,
     lora_slot_bounds,
 )
 
@@ -26,17 +30,28 @@ needs_kernel = pytest.mark.skipif(
 
 
 def layer(slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, seed: int = 0):
-    return packed_lora(slot_rows, k, rank, dtype, DEVICE, seed)
+    """``(a, b, bounds, partials)`` of one single-LoRA layer."""
+    a, b, bounds = packed_lora(slot_rows, k, rank, dtype, DEVICE, seed)
+    return a, b, bounds, lora_partials(a.shape[0], DEVICE)
 
 
-def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x_stride_pad: int = 0,
-          variant: str = "split"):
-    a, b, bounds = layer(slot_rows, k, rank, dtype)
+def delta_add(y, x, a, b, bounds, partials, rank, between=None):
+    """``y + (x A^T) B^T`` as the layer runs it (``between``: the base GEMM's stand-in, between the two ops)."""
+    y = y.clone()
+    shrunk = lora_shrink(x, a, bounds, partials, rank)
+    if between is not None:
+        between()
+    lora_expand_(y, x, shrunk, b, bounds, rank)
+    return y
+
+
+def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x_stride_pad: int = 0):
+    a, b, bounds, partials = layer(slot_rows, k, rank, dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m, k + x_stride_pad, generator=g).to(DEVICE, dtype)[:, :k]  # maybe a strided view
     y = torch.randn(m, sum(slot_rows), generator=g).to(DEVICE, dtype)
-    got = lora_kernels._launch(y, x, a, b, bounds, rank, variant=variant)  # at any row count
-    assert not bounds[len(slot_rows) + 1 :].any()  # the serial shrink leaves its semaphores as it found them
+    got = delta_add(y, x, a, b, bounds, partials, rank)
+    assert not bounds[len(slot_rows) + 1 :].any()  # the shrink leaves its semaphores as it found them
     # reference in fp64 from the same (rounded) inputs, with the shrink rounded to the activation dtype as both
     # paths do
     shrunk = (x.double() @ a.double().t()).to(dtype).double()
@@ -56,72 +71,159 @@ def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x
         (5, [64, 64], 384, 24),  # gate/up-like, rank not a power of two
         (17, [80], 1000, 32),  # row-parallel-like, one slot; N not a multiple of the column block
         (70, [48, 16, 16], 130, 16),  # two row blocks, slot bounds inside one column block
-        (KERNEL_MAX_ROWS, [64], 64, 32),  # the largest size the op sends to the kernels, K below one K step
-        (128, [64], 600, 32),  # fewer K splits at more rows
+        (KERNEL_MAX_ROWS, [64], 64, 32),  # the largest size the ops send to the kernels, K below one K step
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant", ["split", "serial"])
-def test_kernel_path_matches_the_two_gemms(m, slot_rows, k, rank, dtype, variant):
-    check(m, slot_rows, k, rank, dtype, variant=variant)
+def test_kernel_path_matches_the_two_gemms(m, slot_rows, k, rank, dtype):
+    check(m, slot_rows, k, rank, dtype)
 
 
 @needs_kernel
 def test_strided_and_batched_inputs():
     check(3, [32, 16], 96, 16, torch.float32, x_stride_pad=7)
-    a, b, bounds = layer([32], 64, 16, torch.float32)
+    a, b, bounds, partials = layer([32], 64, 16, torch.float32)
     x = torch.randn(2, 3, 64, device=DEVICE)
     y = torch.randn(2, 3, 32, device=DEVICE)
-    y0 = y.clone()
-    got = lora_delta_add(y, x, a, b, bounds, 16)
-    torch.testing.assert_close(got, lora_delta_add_reference(y, x, a, b), rtol=1e-4, atol=1e-4)
-    assert torch.equal(y, y0)  # the op is functional: y untouched
+    torch.testing.assert_close(delta_add(y, x, a, b, bounds, partials, 16), lora_delta_add_reference(y, x, a, b),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
 @needs_kernel
-def test_the_op_runs_the_kernels_up_to_kernel_max_rows_and_the_gemms_above(monkeypatch):
-    a, b, bounds = layer([32, 16], 48, 8, torch.float32)
+def test_the_ops_run_the_kernels_up_to_kernel_max_rows_and_the_gemms_above(monkeypatch):
+    a, b, bounds, partials = layer([32, 16], 48, 8, torch.float32)
     calls = []
-    real = lora_kernels._launch
-    monkeypatch.setattr(lora_kernels, "_launch", lambda *args: calls.append(args[1].shape[0]) or real(*args))
+    real = lora_kernels._launch_shrink
+    monkeypatch.setattr(lora_kernels, "_launch_shrink", lambda x2, *rest: calls.append(x2.shape[0]) or real(x2, *rest))
     for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1):
         x, y = torch.randn(rows, 48, device=DEVICE), torch.randn(rows, 48, device=DEVICE)
-        torch.testing.assert_close(lora_delta_add(y, x, a, b, bounds, 8), lora_delta_add_reference(y, x, a, b),
-                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        got = delta_add(y, x, a, b, bounds, partials, 8)
+        torch.testing.assert_close(got, lora_delta_add_reference(y, x, a, b), rtol=1e-4, atol=1e-4)
     assert calls == [1, KERNEL_MAX_ROWS]
 
 
 @needs_kernel
+def test_the_expand_adds_in_place_and_leaves_the_other_inputs_alone():
+    a, b, bounds, partials = layer([32, 16], 48, 8, torch.float32)
+    for rows in (4, KERNEL_MAX_ROWS + 1):  # kernel and GEMM paths
+        x, y = torch.randn(rows, 48, device=DEVICE), torch.randn(rows, 48, device=DEVICE)
+        want = lora_delta_add_reference(y, x, a, b)
+        x0, a0, b0, bounds0 = x.clone(), a.clone(), b.clone(), bounds.clone()
+        shrunk = lora_shrink(x, a, bounds, partials, 8)
+        ptr = y.data_ptr()
+        assert lora_expand_(y, x, shrunk, b, bounds, 8) is None
+        assert y.data_ptr() == ptr
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+        for t, t0 in ((x, x0), (a, a0), (b, b0), (bounds, bounds0)):
+            assert torch.equal(t, t0)
+
+
+@needs_kernel
 def test_column_major_buffers_are_refused():
-    a, b, bounds = layer([32], 64, 16, torch.float32)
+    a, b, bounds, partials = layer([32], 64, 16, torch.float32)
     x, y = torch.randn(2, 64, device=DEVICE), torch.randn(2, 32, device=DEVICE)
     with pytest.raises(ValueError, match="row-major"):
-        lora_delta_add(y, x, a.t().contiguous().t(), b, bounds, 16)
+        lora_shrink(x, a.t().contiguous().t(), bounds, partials, 16)
+    shrunk = lora_shrink(x, a, bounds, partials, 16)
+    with pytest.raises(ValueError, match="row-major"):
+        lora_expand_(y, x, shrunk, b.t().contiguous().t(), bounds, 16)
+
+
+@needs_kernel
+def test_scratch_too_small_for_the_rank_is_refused():
+    """A bounds buffer built for a smaller LoRA has too few semaphores: a clear error, not a kernel that races."""
+    a, b, _, _ = layer([24, 24], 48, 32, torch.float32)
+    small = lora_slot_bounds([0, 24], 48, total_rank=2)
+    x = torch.randn(KERNEL_MAX_ROWS, 48, device=DEVICE)  # 4 row blocks x 2 LoRA-row blocks: 8 semaphores, 4 there
+    with pytest.raises(ValueError, match="scratch is too small"):
+        lora_shrink(x, a, small.to(DEVICE), lora_partials(64, DEVICE), 32)
+    with pytest.raises(ValueError, match="scratch is too small"):
+        lora_shrink(x, a, lora_slot_bounds([0, 24], 48, 64, DEVICE), lora_partials(1, DEVICE), 32)
 
 
 def test_slot_bounds_are_checked():
-    bounds = lora_slot_bounds([0, 96, 128], 160).tolist()
-    assert bounds[:4] == [0, 96, 128, 160] and bounds[4:] == [0] * lora_kernels.SEMAPHORES
+    bounds = lora_slot_bounds([0, 96, 128], 160, total_rank=96).tolist()
+    assert bounds[:4] == [0, 96, 128, 160]
+    assert bounds[4:] == [0] * lora_kernels.semaphores_needed(96) and lora_kernels.semaphores_needed(96) == 3 * 4
     with pytest.raises(ValueError, match="rise from 0"):
-        lora_slot_bounds([0, 96, 64], 160)
+        lora_slot_bounds([0, 96, 64], 160, 96)
 
 
-def test_the_op_traces_under_torch_compile():
-    """vLLM compiles the model: the op must be opaque to dynamo (a fake implementation, no graph break)."""
-    a, b, bounds = layer([16, 8], 32, 8, torch.float32)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_the_ops_trace_under_torch_compile(backend):
+    """vLLM compiles the model: the ops must be opaque to dynamo (fake implementations, no graph break), and the
+    in-place expand must survive functionalization (``aot_eager``)."""
+    a, b, bounds, partials = layer([16, 8], 32, 8, torch.float32)
     x = torch.randn(KERNEL_MAX_ROWS + 3, 32, device=DEVICE)  # the GEMM path: no Triton inside the compiled call
     y = torch.randn(KERNEL_MAX_ROWS + 3, 24, device=DEVICE)
-    fn = torch.compile(lambda y, x: lora_delta_add(y, x, a, b, bounds, 8) * 2, fullgraph=True, backend="eager")
-    torch.testing.assert_close(fn(y, x), 2 * lora_delta_add_reference(y, x, a, b))
+
+    def fn(y, x):
+        y = y * 1  # as in vLLM: the expand's y is an intermediate (the base GEMM's output)
+        shrunk = lora_shrink(x, a, bounds, partials, 8)
+        lora_expand_(y, x, shrunk, b, bounds, 8)
+        return y * 2
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(y, x), 2 * lora_delta_add_reference(y, x, a, b))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16, 64, 128])
-@pytest.mark.parametrize("variant", ["split", "serial"])
-def test_qwen25_7b_layer_shapes_on_the_gpu(m, variant):
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 128, 256])
+def test_qwen25_7b_layer_shapes_on_the_gpu(m):
     # qkv (q 3584, k/v 512), o, gate/up (18944 each), down at r=32, bf16 as vLLM serves them
     for slot_rows, k in (([3584, 512, 512], 3584), ([3584], 3584), ([18944, 18944], 3584), ([3584], 18944)):
-        check(m, slot_rows, k, 32, torch.bfloat16, variant=variant)
+        check(m, slot_rows, k, 32, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 256])
+def test_a_cuda_graph_with_a_gemm_between_the_ops_matches_eager(m):
+    """As vLLM replays decode: the shrink forks onto the side stream, a GEMM runs on the main stream (the base
+    GEMM's stand-in, writing ``y``), the expand joins. Captured twice per layer over 4 layers, replayed with new
+    inputs and new LoRA weights copied in place, it must match the two-GEMM formulation every time."""
+    k, slot_rows, r = 3584, [3584, 512, 512], 32
+    layers = [layer(slot_rows, k, r, torch.bfloat16, seed=i) for i in range(4)]
+    w = torch.randn(sum(slot_rows), k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+
+    def forward():
+        h, outs = x, []
+        for a, b, bounds, partials in layers:
+            shrunk = lora_shrink(h, a, bounds, partials, r)
+            y = h @ w.t()  # the base GEMM, on the main stream while the shrink runs beside it
+            lora_expand_(y, h, shrunk, b, bounds, r)
+            outs.append(y)
+            h = y[:, :k] * 0.5
+        return outs
+
+    def reference():
+        h, outs = x, []
+        for a, b, _, _ in layers:
+            y = lora_delta_add_reference(h @ w.t(), h, a, b)
+            outs.append(y)
+            h = y[:, :k] * 0.5
+        return outs
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward()
+    for step in range(3):
+        x.copy_(torch.randn_like(x))
+        for a, b, _, _ in layers:  # the trainer's push: new weights into the same buffers
+            a.copy_(torch.randn_like(a) / k**0.5)
+            b.mul_(1.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outs, reference(), strict=True):
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            assert err < 2e-2, (m, step, err)
+    for _, _, bounds, _ in layers:
+        assert not bounds[4:].any()
 
 
 @pytest.mark.gpu
@@ -151,44 +253,5 @@ def test_the_kernels_compile_under_a_serializing_jit_hook(monkeypatch):
         getattr(lora_kernels, name).device_caches.clear()
     for launch in (lora_kernels._shrink_launch, lora_kernels._expand_launch):
         launch.clear()
-    check(3, [96, 32, 32], 512, 32, torch.bfloat16, variant="split")
-    check(3, [96, 32, 32], 512, 32, torch.bfloat16, variant="serial")
-    assert [n for n in seen if n in names] == [*names, *names]  # each kernel compiled once per variant
-
-
-def _spy_on_variants(monkeypatch) -> list[str]:
-    """The variant of every shrink launched from now on ("split" / "serial"), read from its SERIAL constexpr."""
-    used: list[str] = []
-    real = lora_kernels._shrink_launch
-    monkeypatch.setattr(lora_kernels, "_shrink_launch",
-                        lambda grid, args, config, constexprs: used.append("serial" if constexprs["SERIAL"] else "split")
-                        or real(grid, args, config, constexprs))  # fmt: skip
-    return used
-
-
-@needs_kernel
-def test_wide_outputs_take_the_serial_shrink(monkeypatch):
-    """gate/up-wide layers run the serial shrink (one finished ``x A^T``, a light expand); narrow ones the split
-    pair. Either way the layer's semaphores end at zero."""
-    monkeypatch.setattr(lora_kernels, "SERIAL_MIN_COLS", 40)
-    used = _spy_on_variants(monkeypatch)
-    for slot_rows in ([16, 16], [24, 24]):
-        a, b, bounds = layer(slot_rows, 48, 8, torch.float32)
-        x, y = torch.randn(3, 48, device=DEVICE), torch.randn(3, sum(slot_rows), device=DEVICE)
-        torch.testing.assert_close(lora_delta_add(y, x, a, b, bounds, 8), lora_delta_add_reference(y, x, a, b),
-                                   rtol=1e-4, atol=1e-4)  # fmt: skip
-        assert not bounds[3:].any()
-    assert used == ["split", "serial"]
-
-
-@needs_kernel
-def test_a_layer_without_semaphores_enough_takes_the_split_pair(monkeypatch):
-    """A LoRA rank too large for the layer's semaphores (here a bounds buffer cut to one) falls back to the split
-    pair instead of failing inside the engine."""
-    monkeypatch.setattr(lora_kernels, "SERIAL_MIN_COLS", 40)
-    used = _spy_on_variants(monkeypatch)
-    a, b, bounds = layer([24, 24], 48, 32, torch.float32)  # two LoRA-row blocks of 32: two semaphores needed
-    x, y = torch.randn(2, 48, device=DEVICE), torch.randn(2, 48, device=DEVICE)
-    torch.testing.assert_close(lora_delta_add(y, x, a, b, bounds[:4], 32), lora_delta_add_reference(y, x, a, b),
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
-    assert used == ["split"]
+    check(3, [96, 32, 32], 512, 32, torch.bfloat16)
+    assert [n for n in seen if n in names] == list(names)  # each kernel compiled once

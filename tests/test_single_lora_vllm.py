@@ -107,11 +107,6 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
         mode = mode.removesuffix("+humming")
         if device == "cpu":
             _stand_in_humming()
-    if mode.endswith("+serial"):  # every layer through the serial shrink (else only gate/up-wide ones take it)
-        from qerl_trl.vllm_plugin import lora_kernels
-
-        lora_kernels.SERIAL_MIN_COLS = 0
-        mode = mode.removesuffix("+serial")
     dtype = torch.float32 if mode == "plain" else torch.bfloat16
     torch.set_default_dtype(dtype)
     torch.set_float32_matmul_precision("highest")  # plain mode compares fp32 to 1e-5: no TF32 on a GPU
@@ -317,12 +312,11 @@ def test_untargeted_linears_keep_the_plain_method_and_partly_targeted_packs_get_
     assert max(errs.values()) < 1e-5, errs
 
 
-@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (1, "nvfp4+serial"), (2, "nvfp4"), (2, "nvfp4+serial"),
-                                          (1, "nvfp4+humming")])
+@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (2, "nvfp4"), (1, "nvfp4+humming")])
 def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size, mode):
     """QeRLNVFP4LoRAConfig on vLLM's compressed-tensors NVFP4A16 scheme (Marlin on a GPU; on CPU a dequantizing
-    stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference, through either LoRA
-    kernel pair (the test's layers are narrower than ``SERIAL_MIN_COLS``; ``+serial`` lowers it to 0). ``+humming``:
+    stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference, through the LoRA
+    kernel pair (on a GPU, the shrink on its side stream). ``+humming``:
     ``fp4_kernel="humming"``, Humming's real kernels on a GPU (a stand-in on CPU) on every layer but qkv, whose
     64-row k/v shards Humming cannot take (Marlin)."""
     for tp_rank, errs, filled, moves in _run(tp_size, ALL, mode=mode):

@@ -241,11 +241,13 @@ def test_lora_serving_llm_without_adapters_passes_generate_through():
 
 def test_single_lora_overrides_need_a_compressed_tensors_checkpoint():
     from qerl_trl.vllm_plugin import LORA_KEY, lora_quantization_overrides
+    from qerl_trl.vllm_plugin.quant_spec import LORA_OPS_VERSION
 
     ct = {"quantization_config": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}}
     out = lora_quantization_overrides(ct, 24, ["v_proj", "q_proj", "q_proj"])
     assert out["quantization_config"]["format"] == "nvfp4-pack-quantized"
-    assert out["quantization_config"][LORA_KEY] == {"rank": 24, "target_modules": ["q_proj", "v_proj"], "fp4_kernel": "marlin"}
+    assert out["quantization_config"][LORA_KEY] == {"rank": 24, "target_modules": ["q_proj", "v_proj"], "fp4_kernel": "marlin",
+                                                   "ops": LORA_OPS_VERSION}
     assert LORA_KEY not in ct["quantization_config"]  # the checkpoint's own config is left alone
     with pytest.raises(ValueError, match="compressed-tensors NVFP4A16"):
         lora_quantization_overrides({"quantization_config": {"quant_method": "bitsandbytes"}}, 8, ["q_proj"])

@@ -10,10 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["LORA_KEY", "OTHER_BACKEND_HINT", "QUANT_NAME", "lora_quantization_overrides"]
+__all__ = ["LORA_KEY", "LORA_OPS_VERSION", "OTHER_BACKEND_HINT", "QUANT_NAME", "lora_quantization_overrides"]
 
 QUANT_NAME = "qerl_nvfp4_lora"  # the quantization method's name in vLLM
 LORA_KEY = "qerl_lora"  # its LoRA spec inside the checkpoint's quantization_config
+#: The version of the ops the in-layer LoRA puts into vLLM's compiled graph (2: the shrink on a side stream and an
+#: in-place expand, ``lora_kernels``). It is part of the spec, so a change of the ops changes ``hf_overrides`` and with
+#: it the compile-cache key (``compile_cache_marker``): a cache filled by older ops is never read.
+LORA_OPS_VERSION = 2
 #: What every "this LoRA or model cannot be served in-layer" error ends with: the other backend serves it
 OTHER_BACKEND_HINT = "QeRLGRPOConfig(vllm_lora_backend='vllm') serves it through vLLM's own LoRA adapters instead."
 
@@ -35,5 +39,5 @@ def lora_quantization_overrides(
         raise ValueError("The LoRA targets no module.")
     if fp4_kernel not in ("humming", "marlin"):
         raise ValueError(f"fp4_kernel must be 'humming' or 'marlin' (resolved from 'auto' first), got {fp4_kernel!r}.")
-    spec = {"rank": int(rank), "target_modules": targets, "fp4_kernel": fp4_kernel}
+    spec = {"rank": int(rank), "target_modules": targets, "fp4_kernel": fp4_kernel, "ops": LORA_OPS_VERSION}
     return {"quantization_config": {**quant, LORA_KEY: spec}}

@@ -6,8 +6,9 @@ Why: an RL run serves exactly one adapter that changes every step. vLLM's multi-
 index mappings, adapter files, ``LoRARequest``) cost 52% of NVFP4 decode at 7B batch 1 on an H100
 (``benchmarks/results/rollout-h100.json``) for generality this job does not use. Here each targeted linear layer
 holds the LoRA as two buffers, ``qerl_lora_a`` ``[S*r, in_local]`` and ``qerl_lora_b`` ``[out_local, S*r]``
-(layout: :mod:`.lora_shards`), and its forward is the NVFP4 kernel's output plus the LoRA delta: two Triton
-launches at decode sizes, two GEMMs above (:mod:`.lora_kernels`). The trainer copies each step's A and B into the
+(layout: :mod:`.lora_shards`), and its forward is the NVFP4 kernel's output plus the LoRA delta: at decode sizes the
+shrink runs on a side stream beside the NVFP4 GEMM and the expand adds into its output in place; two GEMMs above
+(:mod:`.lora_kernels`). The trainer copies each step's A and B into the
 buffers in place (:func:`push_lora_in_place`), so CUDA graphs and torch.compile see the new adapter with nothing
 re-captured.
 
@@ -41,7 +42,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 
 from .fp4_kernel import humming_shape_problem
 from .quant_spec import LORA_KEY, OTHER_BACKEND_HINT, QUANT_NAME
-from .lora_kernels import lora_delta_add, lora_slot_bounds
+from .lora_kernels import lora_expand_, lora_partials, lora_shrink, lora_slot_bounds
 from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
 
 __all__ = [
@@ -167,16 +168,21 @@ class SingleLoRALinearMethod(LinearMethodBase):
         # Allocated here, inside the loader's device context and the "weights" memory pool (sleep level 1 keeps them).
         layer.register_buffer("qerl_lora_a", torch.zeros(ra, ca, dtype=params_dtype), persistent=False)
         layer.register_buffer("qerl_lora_b", torch.zeros(rb, cb, dtype=params_dtype), persistent=False)
+        starts = [s.out_start for s in plan.slots]
         layer.register_buffer(
-            "qerl_lora_bounds", lora_slot_bounds([s.out_start for s in plan.slots], plan.out_rows), persistent=False
+            "qerl_lora_bounds", lora_slot_bounds(starts, plan.out_rows, plan.total_rank), persistent=False
         )
+        layer.register_buffer("qerl_lora_partials", lora_partials(plan.total_rank), persistent=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.inner.process_weights_after_loading(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # the shrink first: at decode sizes it runs on a side stream, beside the base GEMM
+        shrunk = lora_shrink(x, layer.qerl_lora_a, layer.qerl_lora_bounds, layer.qerl_lora_partials, self.rank)
         y = self.inner.apply(layer, x, bias)
-        return lora_delta_add(y, x, layer.qerl_lora_a, layer.qerl_lora_b, layer.qerl_lora_bounds, self.rank)
+        lora_expand_(y, x, shrunk, layer.qerl_lora_b, layer.qerl_lora_bounds, self.rank)
+        return y
 
 
 @register_quantization_config(QUANT_NAME)
