@@ -26,6 +26,8 @@ The semaphores go back to zero; the partials are scratch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -178,6 +180,8 @@ def _precision(dtype: torch.dtype) -> tuple[str, bool]:
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+#: ``QERL_LORA_OVERLAP=0`` runs the shrink in line on the main stream (for A/B measurements of the overlap)
+OVERLAP = os.environ.get("QERL_LORA_OVERLAP", "1") != "0"
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -227,7 +231,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor, partials
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     shrunk = torch.empty((x2.shape[0], a.shape[0]), device=x.device, dtype=x.dtype)
     semaphores = bounds[a.shape[0] // rank + 1 :]
-    if not x.is_cuda:  # the interpreter: in line
+    if not x.is_cuda or not OVERLAP:  # the interpreter: in line
         _launch_shrink(x2, a, semaphores, partials, shrunk)
         return shrunk
     side = _side_stream(x.device)
@@ -256,7 +260,7 @@ def lora_expand_(y: torch.Tensor, x: torch.Tensor, shrunk: torch.Tensor, b: torc
         else:
             y.copy_(torch.addmm(y.reshape(-1, n), shrunk, b.t()).view(y.shape))
         return
-    if x.is_cuda:
+    if x.is_cuda and OVERLAP:
         torch.cuda.current_stream(x.device).wait_stream(_side_stream(x.device))
     y2 = y.view(-1, n)
     if y2.stride(-1) != 1:
