@@ -1,9 +1,9 @@
 """The single-LoRA delta (``qerl_trl.vllm_plugin.lora_kernels``: the shrink, then the in-place expand) against the
 two-GEMM formulation.
 
-On CPU they run under ``TRITON_INTERPRET=1`` (what CI sets); on a GPU the same tests run the compiled kernels with
-the shrink on its side stream, and the ``gpu`` tests run Qwen2.5-7B's layer shapes at decode sizes, also inside a
-CUDA graph with a GEMM between the two ops, as vLLM runs them."""
+On CPU they run under ``TRITON_INTERPRET=1`` (what CI sets); on a GPU the same tests run the compiled kernels, and
+the ``gpu`` tests run Qwen2.5-7B's layer shapes at decode sizes, also inside a CUDA graph with a GEMM between the
+two ops, as vLLM runs them."""
 
 from __future__ import annotations
 
@@ -38,14 +38,15 @@ def layer(slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, seed: int
 def delta_add(y, x, a, b, bounds, partials, rank, between=None):
     """``y + (x A^T) B^T`` as the layer runs it (``between``: the base GEMM's stand-in, between the two ops)."""
     y = y.clone()
-    shrunk = lora_shrink(x, a, bounds, partials, rank)
+    shrunk = lora_shrink(x, a, bounds, partials, rank, y.shape[-1])
     if between is not None:
         between()
-    lora_expand_(y, x, shrunk, b, bounds, rank)
+    lora_expand_(y, shrunk, b, bounds, partials, rank, x.shape[-1])
     return y
 
 
 def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x_stride_pad: int = 0):
+    """The pair ``_serial`` picks for this shape (tests pin the other with ``SERIAL_MIN_COLS``)."""
     a, b, bounds, partials = layer(slot_rows, k, rank, dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m, k + x_stride_pad, generator=g).to(DEVICE, dtype)[:, :k]  # maybe a strided view
@@ -75,7 +76,10 @@ def check(m: int, slot_rows: list[int], k: int, rank: int, dtype: torch.dtype, x
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernel_path_matches_the_two_gemms(m, slot_rows, k, rank, dtype):
+@pytest.mark.parametrize("pair", ["split", "serial"])
+def test_kernel_path_matches_the_two_gemms(m, slot_rows, k, rank, dtype, pair, monkeypatch):
+    # "split": every layer up to SPLIT_MAX_ROWS rows takes the split pair (above, the serial one); "serial": all
+    monkeypatch.setattr(lora_kernels, "SERIAL_MIN_COLS", 10**9 if pair == "split" else 0)
     check(m, slot_rows, k, rank, dtype)
 
 
@@ -109,9 +113,9 @@ def test_the_expand_adds_in_place_and_leaves_the_other_inputs_alone():
         x, y = torch.randn(rows, 48, device=DEVICE), torch.randn(rows, 48, device=DEVICE)
         want = lora_delta_add_reference(y, x, a, b)
         x0, a0, b0, bounds0 = x.clone(), a.clone(), b.clone(), bounds.clone()
-        shrunk = lora_shrink(x, a, bounds, partials, 8)
+        shrunk = lora_shrink(x, a, bounds, partials, 8, 48)
         ptr = y.data_ptr()
-        assert lora_expand_(y, x, shrunk, b, bounds, 8) is None
+        assert lora_expand_(y, shrunk, b, bounds, partials, 8, 48) is None
         assert y.data_ptr() == ptr
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
         for t, t0 in ((x, x0), (a, a0), (b, b0), (bounds, bounds0)):
@@ -123,10 +127,10 @@ def test_column_major_buffers_are_refused():
     a, b, bounds, partials = layer([32], 64, 16, torch.float32)
     x, y = torch.randn(2, 64, device=DEVICE), torch.randn(2, 32, device=DEVICE)
     with pytest.raises(ValueError, match="row-major"):
-        lora_shrink(x, a.t().contiguous().t(), bounds, partials, 16)
-    shrunk = lora_shrink(x, a, bounds, partials, 16)
+        lora_shrink(x, a.t().contiguous().t(), bounds, partials, 16, 32)
+    shrunk = lora_shrink(x, a, bounds, partials, 16, 32)
     with pytest.raises(ValueError, match="row-major"):
-        lora_expand_(y, x, shrunk, b.t().contiguous().t(), bounds, 16)
+        lora_expand_(y, shrunk, b.t().contiguous().t(), bounds, partials, 16, 64)
 
 
 @needs_kernel
@@ -134,17 +138,17 @@ def test_scratch_too_small_for_the_rank_is_refused():
     """A bounds buffer built for a smaller LoRA has too few semaphores: a clear error, not a kernel that races."""
     a, b, _, _ = layer([24, 24], 48, 32, torch.float32)
     small = lora_slot_bounds([0, 24], 48, total_rank=2)
-    x = torch.randn(KERNEL_MAX_ROWS, 48, device=DEVICE)  # 4 row blocks x 2 LoRA-row blocks: 8 semaphores, 4 there
+    x = torch.randn(KERNEL_MAX_ROWS, 48, device=DEVICE)  # 2 row blocks x 2 LoRA-row blocks: 4 semaphores, 2 there
     with pytest.raises(ValueError, match="scratch is too small"):
-        lora_shrink(x, a, small.to(DEVICE), lora_partials(64, DEVICE), 32)
+        lora_shrink(x, a, small.to(DEVICE), lora_partials(64, DEVICE), 32, 48)
     with pytest.raises(ValueError, match="scratch is too small"):
-        lora_shrink(x, a, lora_slot_bounds([0, 24], 48, 64, DEVICE), lora_partials(1, DEVICE), 32)
+        lora_shrink(x, a, lora_slot_bounds([0, 24], 48, 64, DEVICE), lora_partials(1, DEVICE), 32, 48)
 
 
 def test_slot_bounds_are_checked():
     bounds = lora_slot_bounds([0, 96, 128], 160, total_rank=96).tolist()
     assert bounds[:4] == [0, 96, 128, 160]
-    assert bounds[4:] == [0] * lora_kernels.semaphores_needed(96) and lora_kernels.semaphores_needed(96) == 3 * 4
+    assert bounds[4:] == [0] * lora_kernels.semaphores_needed(96) and lora_kernels.semaphores_needed(96) == 3 * 2
     with pytest.raises(ValueError, match="rise from 0"):
         lora_slot_bounds([0, 96, 64], 160, 96)
 
@@ -159,8 +163,8 @@ def test_the_ops_trace_under_torch_compile(backend):
 
     def fn(y, x):
         y = y * 1  # as in vLLM: the expand's y is an intermediate (the base GEMM's output)
-        shrunk = lora_shrink(x, a, bounds, partials, 8)
-        lora_expand_(y, x, shrunk, b, bounds, 8)
+        shrunk = lora_shrink(x, a, bounds, partials, 8, 24)
+        lora_expand_(y, shrunk, b, bounds, partials, 8, 32)
         return y * 2
 
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
@@ -168,7 +172,7 @@ def test_the_ops_trace_under_torch_compile(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16, 64, 128, 256])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 128])
 def test_qwen25_7b_layer_shapes_on_the_gpu(m):
     # qkv (q 3584, k/v 512), o, gate/up (18944 each), down at r=32, bf16 as vLLM serves them
     for slot_rows, k in (([3584, 512, 512], 3584), ([3584], 3584), ([18944, 18944], 3584), ([3584], 18944)):
@@ -176,11 +180,11 @@ def test_qwen25_7b_layer_shapes_on_the_gpu(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 64, 256])
+@pytest.mark.parametrize("m", [1, 64, KERNEL_MAX_ROWS])
 def test_a_cuda_graph_with_a_gemm_between_the_ops_matches_eager(m):
-    """As vLLM replays decode: the shrink forks onto the side stream, a GEMM runs on the main stream (the base
-    GEMM's stand-in, writing ``y``), the expand joins. Captured twice per layer over 4 layers, replayed with new
-    inputs and new LoRA weights copied in place, it must match the two-GEMM formulation every time."""
+    """As vLLM replays decode: the shrink, a GEMM (the base GEMM's stand-in, writing ``y``), the in-place expand,
+    over 4 layers in one CUDA graph, replayed with new inputs and new LoRA weights copied in place: it must match
+    the two-GEMM formulation every time."""
     k, slot_rows, r = 3584, [3584, 512, 512], 32
     layers = [layer(slot_rows, k, r, torch.bfloat16, seed=i) for i in range(4)]
     w = torch.randn(sum(slot_rows), k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
@@ -189,9 +193,9 @@ def test_a_cuda_graph_with_a_gemm_between_the_ops_matches_eager(m):
     def forward():
         h, outs = x, []
         for a, b, bounds, partials in layers:
-            shrunk = lora_shrink(h, a, bounds, partials, r)
-            y = h @ w.t()  # the base GEMM, on the main stream while the shrink runs beside it
-            lora_expand_(y, h, shrunk, b, bounds, r)
+            shrunk = lora_shrink(h, a, bounds, partials, r, w.shape[0])
+            y = h @ w.t()  # the base GEMM
+            lora_expand_(y, shrunk, b, bounds, partials, r, k)
             outs.append(y)
             h = y[:, :k] * 0.5
         return outs
@@ -253,5 +257,30 @@ def test_the_kernels_compile_under_a_serializing_jit_hook(monkeypatch):
         getattr(lora_kernels, name).device_caches.clear()
     for launch in (lora_kernels._shrink_launch, lora_kernels._expand_launch):
         launch.clear()
-    check(3, [96, 32, 32], 512, 32, torch.bfloat16)
-    assert [n for n in seen if n in names] == list(names)  # each kernel compiled once
+    check(3, [96, 32, 32], 512, 32, torch.bfloat16)  # the split pair
+    check(17, [96, 32, 32], 512, 32, torch.bfloat16)  # the serial pair
+    assert [n for n in seen if n in names] == [*names, *names]  # each kernel compiled once per pair
+
+
+def _spy_on_pairs(monkeypatch) -> list[str]:
+    """The pair of every shrink launched from now on ("split" / "serial")."""
+    used: list[str] = []
+    real = lora_kernels._launch_shrink
+    monkeypatch.setattr(lora_kernels, "_launch_shrink",
+                        lambda *args: used.append("serial" if args[-1] else "split") or real(*args))  # fmt: skip
+    return used
+
+
+@needs_kernel
+def test_narrow_layers_at_few_rows_take_the_split_pair_and_the_rest_the_serial_one(monkeypatch):
+    """Up to SPLIT_MAX_ROWS rows, outputs narrower than SERIAL_MIN_COLS take the split pair; wider outputs, and every
+    layer above SPLIT_MAX_ROWS rows, the serial one. Either way the result is right and the semaphores end at 0."""
+    monkeypatch.setattr(lora_kernels, "SERIAL_MIN_COLS", 40)
+    used = _spy_on_pairs(monkeypatch)
+    for slot_rows, rows in (([16, 16], 3), ([24, 24], 3), ([16, 16], lora_kernels.SPLIT_MAX_ROWS + 1)):
+        a, b, bounds, partials = layer(slot_rows, 48, 8, torch.float32)
+        x, y = torch.randn(rows, 48, device=DEVICE), torch.randn(rows, sum(slot_rows), device=DEVICE)
+        torch.testing.assert_close(delta_add(y, x, a, b, bounds, partials, 8), lora_delta_add_reference(y, x, a, b),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        assert not bounds[3:].any()
+    assert used == ["split", "serial", "serial"]

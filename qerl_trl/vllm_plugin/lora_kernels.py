@@ -1,32 +1,37 @@
-"""The single-LoRA delta ``y += (x A^T) B^T`` of one vLLM linear layer, in two Triton launches, the first beside the
-base GEMM (no vLLM imports).
+"""The single-LoRA delta ``y += (x A^T) B^T`` of one vLLM linear layer in two Triton launches (no vLLM imports).
 
-Why: an RL rollout decodes 1-256 sequences per engine, so each LoRA'd linear sees that many rows. There the two
+Why: an RL rollout decodes 1-128 sequences per engine, so each LoRA'd linear sees that many rows. There the two
 GEMMs of the plain formulation are latency, not bytes: at Qwen2.5-7B shapes, r=32, the LoRA's A and B are 4% of
-the NVFP4 base's bytes, yet on an H100 at 64 rows the two cuBLAS GEMMs per linear cost 31% of the decode step on
-Humming (``benchmarks/results/rollout-h100.json``, run db1167's profile). Half of that is the shrink, which waits
-for nothing the base GEMM computes. So the layer runs:
+the NVFP4 base's bytes, yet at 64 rows two cuBLAS GEMMs per linear, plus the copy of ``y`` that an out-of-place
+``addmm`` makes, cost 1.49 ms of a decode step (``benchmarks/results/lora_delta-h100.json``). So the layer runs:
 
-1. :func:`lora_shrink` (before the base GEMM): ``x A^T`` on a side CUDA stream, split over K into fp32 partials
-   that the last program of each block sums in split order (a semaphore), into the finished ``[rows, S*r]`` in
-   the activation dtype, as the plain path's bf16 GEMM rounds it;
-2. the base NVFP4 GEMM on the main stream, beside it;
-3. :func:`lora_expand_` (after it): the main stream waits for the side stream, then one launch adds
-   ``shrunk_j @ B_j^T`` to ``y`` in place, reading only the diagonal block ``B_j`` of each output slot ``j``
-   (packed q/k/v or gate/up), not the block-diagonal ``B`` whose zeros are S times the bytes it needs.
+1. :func:`lora_shrink` (before the base GEMM): ``x A^T``, split over K into fp32 partials (enough programs to fill
+   the GPU at one row); the last program of each block to finish (a semaphore) sums them in split order into the
+   finished ``[rows, S*r]``, rounded to the activation dtype as the plain path's bf16 GEMM rounds it;
+2. the base NVFP4 GEMM;
+3. :func:`lora_expand_` (after it): one launch adds ``shrunk_j @ B_j^T`` to ``y`` in place, reading only the
+   diagonal block ``B_j`` of each output slot ``j`` (packed q/k/v or gate/up), not the block-diagonal ``B`` whose
+   zeros are S times the bytes it needs.
 
-The side stream joins vLLM's CUDA graph capture like any fork/join: the graph gets two branches. Both ops are
-``torch.library`` custom ops, opaque to torch.compile (vLLM compiles the model). :func:`lora_expand_` takes ``x``
-although it does not read it: that keeps ``x``'s buffer alive, in the compiler's memory plan, until the side stream
-is done reading it. Above :data:`KERNEL_MAX_ROWS` rows (prefill) both are cuBLAS GEMMs in line, the second into
-``y`` in place. Each layer owns its scratch (:func:`lora_partials`, the semaphores at the tail of
-:func:`lora_slot_bounds`), and every shrink runs on the one side stream, so no two shrinks share scratch at once.
-The semaphores go back to zero; the partials are scratch.
+That is the serial pair. At up to :data:`SPLIT_MAX_ROWS` rows, layers narrower than :data:`SERIAL_MIN_COLS`
+(qkv, o, down) take the split pair instead: the shrink only writes the partials, and each expand program sums its
+slot's partials itself, which is one dependent step less where the expand has few programs.
+
+Per 7B decode step on the H100 (``lora_delta-h100.json``, graph-timed, each row against cuBLAS in its own call):
+the serial pair's LoRA takes 1.34 / 1.63 ms at 64 / 128 rows against 1.49 / 1.70 ms for the two GEMMs and the
+copy; the split/serial mix 0.92 / 1.04 ms at 1 / 16 rows against 1.36 / 1.33 ms. Above :data:`KERNEL_MAX_ROWS`
+rows (prefill) both are cuBLAS GEMMs, the second into ``y`` in place. Running the shrink on a side stream beside
+the base GEMM was measured too: it won beside a cuBLAS GEMM but not beside Humming in a real engine (7B rollouts,
+``rollout_lora_overlap-h100.json``), so it is not done.
+
+Both ops are ``torch.library`` custom ops, opaque to torch.compile (vLLM compiles the model); the expand is
+declared to mutate ``y``, which the compiler reinplaces (``y`` is the base GEMM's fresh output). Both are
+deterministic, need no host sync and have fixed launch shapes per row count (CUDA-graph safe). Each layer owns
+its scratch (:func:`lora_partials`, and the semaphores at the tail of :func:`lora_slot_bounds`, which go back to
+zero); vLLM runs a model on one stream, so a layer's shrink never runs concurrently with itself.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -44,13 +49,22 @@ __all__ = [
     "lora_slot_bounds",
 ]
 
-#: Rows (tokens) up to which the Triton pair runs (the shrink beside the base GEMM); above it, two cuBLAS GEMMs in
-#: line. Decode batches of a GRPO rollout are 1-256 rows per engine; prefill is more.
-KERNEL_MAX_ROWS = 256
+#: Rows (tokens) up to which the Triton pair runs; above it, two cuBLAS GEMMs. From ``lora_delta-h100.json`` (7B,
+#: one call): per decode step the pair's LoRA took 1.63 ms at 128 rows against cuBLAS's 1.70, and 2.43 against 2.12
+#: at 256 (``down_proj``'s long-K shrink has too few programs there).
+KERNEL_MAX_ROWS = 128
 _BK = 128  # shrink: K per inner step
 _BR = 32  # shrink: LoRA rows (of S*r) per program
 _BN = 64  # expand: output columns per program
 _BM_MAX = 64  # rows per program, both kernels
+#: Up to this many rows, layers narrower than :data:`SERIAL_MIN_COLS` take the split pair: the shrink only writes
+#: its partials, and each expand program sums those of its slot itself (no semaphore wait, one step less in series)
+SPLIT_MAX_ROWS = 16
+#: Output columns from which the serial pair beats the split pair at 1-16 rows. Qwen2.5 7B-32B gate/up has
+#: 37888-55296 columns: 9.8-10.9 µs against 12.6-18.1 µs there, where its 600-900 expand programs would each
+#: re-sum the partials; qkv, o and down have 3584-7168 columns, where the split pair is 1.4-2.2 µs faster
+#: (``lora_delta-h100.json`` at 5005a69).
+SERIAL_MIN_COLS = 16384
 #: fp32 partial rows per LoRA row in a layer's scratch: the shrink splits K into at most this many partial rows per
 #: output row block (enough programs to fill the GPU at one row, few enough to sum quickly at 256)
 PARTIAL_ROWS = 512
@@ -59,10 +73,10 @@ PARTIAL_ROWS = 512
 @triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm, stride_am, SPLITS,
                         K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SC: tl.constexpr,
-                        PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                        PREC: tl.constexpr, UPCAST: tl.constexpr, SERIAL: tl.constexpr):  # fmt: skip
     """Partial ``x[:, chunk] @ A[:, chunk]^T`` of one K chunk, one block of rows and one block of LoRA rows, stored
-    in ``p``. The last program of each (row, LoRA-row) block to finish (a semaphore) sums the block's partials in
-    split order into ``s``, rounded to ``s``'s dtype, and resets the semaphore to zero."""
+    in ``p``. ``SERIAL``: the last program of each (row, LoRA-row) block to finish (a semaphore) also sums the
+    block's partials in split order into ``s``, rounded to ``s``'s dtype, and resets the semaphore to zero."""
     pid_k = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -79,26 +93,29 @@ def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm,
         acc += tl.dot(x, a, input_precision=PREC)
     omask = (rm[:, None] < M) & (rr[None, :] < R)
     tl.store(p_ptr + (pid_k * M + rm[:, None]) * R + rr[None, :], acc, mask=omask)
-    sem = sem_ptr + pid_m * tl.num_programs(1) + pid_r
-    done = tl.atomic_add(sem, 1, sem="acq_rel")
-    if done == SPLITS - 1:
-        rs = tl.arange(0, SC)
-        tot = tl.zeros((BM, BR), dtype=tl.float32)
-        for s0 in range(0, SPLITS, SC):
-            sp = s0 + rs
-            offs = (sp[:, None, None] * M + rm[None, :, None]) * R + rr[None, None, :]
-            mask = (sp[:, None, None] < SPLITS) & omask[None, :, :]
-            tot += tl.sum(tl.load(p_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
-        tl.store(s_ptr + rm[:, None] * R + rr[None, :], tot.to(s_ptr.dtype.element_ty), mask=omask)
-        tl.atomic_xchg(sem, 0)
+    if SERIAL:
+        sem = sem_ptr + pid_m * tl.num_programs(1) + pid_r
+        done = tl.atomic_add(sem, 1, sem="acq_rel")
+        if done == SPLITS - 1:
+            rs = tl.arange(0, SC)
+            tot = tl.zeros((BM, BR), dtype=tl.float32)
+            for s0 in range(0, SPLITS, SC):
+                sp = s0 + rs
+                offs = (sp[:, None, None] * M + rm[None, :, None]) * R + rr[None, None, :]
+                mask = (sp[:, None, None] < SPLITS) & omask[None, :, :]
+                tot += tl.sum(tl.load(p_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
+            tl.store(s_ptr + rm[:, None] * R + rr[None, :], tot.to(s_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(sem, 0)
 
 
 @triton.jit
-def _lora_expand_kernel(s_ptr, b_ptr, y_ptr, bounds_ptr, M, N, R, stride_bn, stride_ym, S: tl.constexpr,
-                        RANK: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-                        UPCAST: tl.constexpr):  # fmt: skip
+def _lora_expand_kernel(p_ptr, s_ptr, b_ptr, y_ptr, bounds_ptr, M, N, R, SPLITS, stride_bn, stride_ym,
+                        S: tl.constexpr, RANK: tl.constexpr, RP: tl.constexpr, SC: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, SERIAL: tl.constexpr):  # fmt: skip
     """``y += s_j @ B_j^T`` in place on one block of output columns, ``j`` the slot (packed sub-module) of each
-    column: columns ``bounds[j] <= n < bounds[j+1]`` use LoRA rows ``j*RANK ..`` of ``s`` ``[M, R]`` and of ``B``."""
+    column: columns ``bounds[j] <= n < bounds[j+1]`` use LoRA rows ``j*RANK ..`` of the shrink and of ``B``. The
+    shrink is the finished ``s`` ``[M, R]`` (``SERIAL``) or the sum of the partials ``p``, rounded to the activation
+    dtype."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -115,8 +132,18 @@ def _lora_expand_kernel(s_ptr, b_ptr, y_ptr, bounds_ptr, M, N, R, stride_bn, str
             in_slot = (rn >= lo) & (rn < hi)
             b = tl.load(b_ptr + rn[None, :] * stride_bn + j * RANK + rj[:, None],
                         mask=in_slot[None, :] & (rj[:, None] < RANK), other=0.0)  # fmt: skip
-            s = tl.load(s_ptr + rm[:, None] * R + j * RANK + rj[None, :], mask=(rm[:, None] < M) & (rj[None, :] < RANK),
-                        other=0.0)  # fmt: skip
+            smask = (rm[:, None] < M) & (rj[None, :] < RANK)
+            if SERIAL:
+                s = tl.load(s_ptr + rm[:, None] * R + j * RANK + rj[None, :], mask=smask, other=0.0)
+            else:
+                rs = tl.arange(0, SC)
+                tot = tl.zeros((BM, RP), dtype=tl.float32)
+                for s0 in range(0, SPLITS, SC):
+                    sp = s0 + rs
+                    offs = (sp[:, None, None] * M + rm[None, :, None]) * R + j * RANK + rj[None, None, :]
+                    tot += tl.sum(tl.load(p_ptr + offs, mask=(sp[:, None, None] < SPLITS) & smask[None, :, :],
+                                          other=0.0), axis=0)  # fmt: skip
+                s = tot.to(b.dtype)  # the activation dtype, as the plain path's shrink output
             if UPCAST:
                 s = s.to(tl.float32)
                 b = b.to(tl.float32)
@@ -164,12 +191,10 @@ def lora_delta_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, 
     return torch.addmm(y.reshape(-1, y.shape[-1]), shrunk.reshape(-1, shrunk.shape[-1]), b.t()).view(y.shape)
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
-
-
-def _use_kernel(x: torch.Tensor) -> bool:
-    return 0 < _rows(x) <= KERNEL_MAX_ROWS and (x.is_cuda or _interpreting())
+def _use_kernel(t2: torch.Tensor) -> bool:
+    """Whether the Triton kernels take a 2-D ``[rows, ...]`` input (the shrink's ``x``, the expand's ``shrunk``: the
+    same rows, so both ops decide alike)."""
+    return 0 < t2.shape[0] <= KERNEL_MAX_ROWS and (t2.is_cuda or _interpreting())
 
 
 def _precision(dtype: torch.dtype) -> tuple[str, bool]:
@@ -179,89 +204,80 @@ def _precision(dtype: torch.dtype) -> tuple[str, bool]:
     return ("ieee" if dtype == torch.float32 or upcast else "tf32"), upcast
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-#: ``QERL_LORA_OVERLAP=0`` runs the shrink in line on the main stream (for A/B measurements of the overlap)
-OVERLAP = os.environ.get("QERL_LORA_OVERLAP", "1") != "0"
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream every shrink on ``device`` runs on (one per device, high priority: the expand waits for it)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
-    return stream
-
-
 def _check_row_major(*buffers: torch.Tensor) -> None:
     if any(t.stride(-1) != 1 for t in buffers):
         raise ValueError("The single-LoRA ops need the LoRA buffers A and B row-major (contiguous rows).")
 
 
+def _serial(rows: int, out_features: int) -> bool:
+    """Whether a layer of ``out_features`` columns at ``rows`` rows takes the serial pair (else the split pair)."""
+    return rows > SPLIT_MAX_ROWS or out_features >= SERIAL_MIN_COLS
+
+
+def _splits(m: int, k: int, bm: int, m_blocks: int) -> tuple[int, int]:
+    """``(K splits, K per split)`` of the shrink: at most :data:`PARTIAL_ROWS` partial rows per row block."""
+    k_blocks = triton.cdiv(k, _BK)
+    splits_wanted = max(1, min(k_blocks, PARTIAL_ROWS // (bm * m_blocks)))
+    k_chunk = triton.cdiv(k_blocks, splits_wanted) * _BK
+    return triton.cdiv(k, k_chunk), k_chunk
+
+
 def _launch_shrink(x2: torch.Tensor, a: torch.Tensor, semaphores: torch.Tensor, partials: torch.Tensor,
-                   shrunk: torch.Tensor) -> None:  # fmt: skip
+                   shrunk: torch.Tensor, serial: bool) -> None:  # fmt: skip
     m, k, r_total = x2.shape[0], x2.shape[1], a.shape[0]
     prec, upcast = _precision(x2.dtype)
     bm, m_blocks = _row_blocks(m)
     r_blocks = triton.cdiv(r_total, _BR)
-    k_blocks = triton.cdiv(k, _BK)
-    splits_wanted = max(1, min(k_blocks, PARTIAL_ROWS // (bm * m_blocks)))
-    k_chunk = triton.cdiv(k_blocks, splits_wanted) * _BK
-    splits = triton.cdiv(k, k_chunk)
-    if semaphores.numel() < r_blocks * m_blocks or partials.numel() < splits * m * r_total:
+    splits, k_chunk = _splits(m, k, bm, m_blocks)
+    if (serial and semaphores.numel() < r_blocks * m_blocks) or partials.numel() < splits * m * r_total:
         raise ValueError(f"This layer's LoRA scratch is too small for {m} rows at LoRA width {r_total}: build it with "
                          "lora_slot_bounds(..., total_rank) and lora_partials(total_rank).")  # fmt: skip
-    sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * _BR)))  # partials per summing step
+    sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * _BR))) if serial else 1  # partials per summing step
     _shrink_launch((splits, r_blocks, m_blocks),
                    (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), splits),
-                   ("shrink", k_chunk, bm, sc, prec, upcast),
-                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=_BK, SC=sc, PREC=prec, UPCAST=upcast))  # fmt: skip
+                   ("shrink", k_chunk, bm, sc, prec, upcast, serial),
+                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=_BK, SC=sc, PREC=prec, UPCAST=upcast, SERIAL=serial))  # fmt: skip
 
 
 @torch.library.custom_op("qerl_trl::lora_shrink", mutates_args=())
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor, partials: torch.Tensor, rank: int
-                ) -> torch.Tensor:  # fmt: skip
-    """``x A^T`` ``[rows, S*rank]`` in ``x``'s dtype: call it before the base GEMM. On a GPU, up to
-    :data:`KERNEL_MAX_ROWS` rows, the kernel is only launched here, on the side stream (:func:`lora_expand_` waits
-    for it); ``bounds`` and ``partials``: the layer's scratch (:func:`lora_slot_bounds`, :func:`lora_partials`)."""
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor, partials: torch.Tensor, rank: int,
+                out_features: int) -> torch.Tensor:  # fmt: skip
+    """The first of the pair, before the base GEMM: ``x A^T`` ``[rows, S*rank]`` in ``x``'s dtype, for
+    :func:`lora_expand_`. ``a``: ``[S*rank, K]`` (the S packed sub-modules' A stacked); ``bounds`` and
+    ``partials``: the layer's scratch (:func:`lora_slot_bounds`, :func:`lora_partials`); ``out_features``: the
+    layer's output columns. Up to :data:`KERNEL_MAX_ROWS` rows on a GPU (or under ``TRITON_INTERPRET=1``) a Triton
+    kernel, else a GEMM. In the split pair (narrow layers at up to :data:`SPLIT_MAX_ROWS` rows) the result is the
+    fp32 partials left in ``partials``, and the returned tensor is left unwritten: it only orders the expand after
+    this op for the compiler."""
     _check_row_major(a)
     x2 = x.reshape(-1, x.shape[-1])
-    if not _use_kernel(x):
+    if not _use_kernel(x2):
         return torch.matmul(x2, a.t())
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     shrunk = torch.empty((x2.shape[0], a.shape[0]), device=x.device, dtype=x.dtype)
-    semaphores = bounds[a.shape[0] // rank + 1 :]
-    if not x.is_cuda or not OVERLAP:  # the interpreter: in line
-        _launch_shrink(x2, a, semaphores, partials, shrunk)
-        return shrunk
-    side = _side_stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):
-        _launch_shrink(x2, a, semaphores, partials, shrunk)
+    _launch_shrink(x2, a, bounds[a.shape[0] // rank + 1 :], partials, shrunk, _serial(x2.shape[0], out_features))
     return shrunk
 
 
 @lora_shrink.register_fake
-def _(x, a, bounds, partials, rank):
+def _(x, a, bounds, partials, rank, out_features):
     return x.new_empty((x.numel() // x.shape[-1], a.shape[0]))
 
 
 @torch.library.custom_op("qerl_trl::lora_expand_", mutates_args=("y",))
-def lora_expand_(y: torch.Tensor, x: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor,
-                 rank: int) -> None:  # fmt: skip
-    """``y += shrunk @ B^T`` in place, after the base GEMM wrote ``y``; ``shrunk`` is :func:`lora_shrink`'s of ``x``
-    (passed so that its buffer lives until the side stream is done). ``b``: ``[N, S*rank]``, block-diagonal, of which
-    only the diagonal blocks are read on the kernel path."""
+def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, partials: torch.Tensor,
+                 rank: int, in_features: int) -> None:  # fmt: skip
+    """The second of the pair, after the base GEMM wrote ``y``: ``y += (x A^T) B^T`` in place, from
+    :func:`lora_shrink`'s result and the layer's ``partials``; ``in_features``: ``x``'s columns (K). ``b``:
+    ``[N, S*rank]``, block-diagonal, of which only the diagonal blocks are read on the kernel path."""
     _check_row_major(b)
     n = y.shape[-1]
-    if not _use_kernel(x):
+    if not _use_kernel(shrunk):
         if y.is_contiguous():
             y.view(-1, n).addmm_(shrunk, b.t())
         else:
             y.copy_(torch.addmm(y.reshape(-1, n), shrunk, b.t()).view(y.shape))
         return
-    if x.is_cuda and OVERLAP:
-        torch.cuda.current_stream(x.device).wait_stream(_side_stream(x.device))
     y2 = y.view(-1, n)
     if y2.stride(-1) != 1:
         raise ValueError("lora_expand_ needs the base GEMM's output with contiguous rows.")
@@ -270,12 +286,15 @@ def lora_expand_(y: torch.Tensor, x: torch.Tensor, shrunk: torch.Tensor, b: torc
     bm, m_blocks = _row_blocks(m)
     rp = max(16, triton.next_power_of_2(rank))
     slots = r_total // rank
+    serial = _serial(m, n)
+    splits = _splits(m, in_features, bm, m_blocks)[0]
+    sc = 1 if serial else max(1, min(triton.next_power_of_2(splits), 4096 // (bm * rp)))  # partials per summing step
     _expand_launch((triton.cdiv(n, _BN), m_blocks),
-                   (shrunk, b, y2, bounds, m, n, r_total, b.stride(0), y2.stride(0)),
-                   ("expand", slots, rank, rp, bm, prec, upcast),
-                   dict(S=slots, RANK=rank, RP=rp, BM=bm, BN=_BN, PREC=prec, UPCAST=upcast))  # fmt: skip
+                   (partials, shrunk, b, y2, bounds, m, n, r_total, splits, b.stride(0), y2.stride(0)),
+                   ("expand", slots, rank, rp, sc, bm, prec, upcast, serial),
+                   dict(S=slots, RANK=rank, RP=rp, SC=sc, BM=bm, BN=_BN, PREC=prec, UPCAST=upcast, SERIAL=serial))  # fmt: skip
 
 
 @lora_expand_.register_fake
-def _(y, x, shrunk, b, bounds, rank):
+def _(y, shrunk, b, bounds, partials, rank, in_features):
     return None

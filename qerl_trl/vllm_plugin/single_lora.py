@@ -6,8 +6,8 @@ Why: an RL run serves exactly one adapter that changes every step. vLLM's multi-
 index mappings, adapter files, ``LoRARequest``) cost 52% of NVFP4 decode at 7B batch 1 on an H100
 (``benchmarks/results/rollout-h100.json``) for generality this job does not use. Here each targeted linear layer
 holds the LoRA as two buffers, ``qerl_lora_a`` ``[S*r, in_local]`` and ``qerl_lora_b`` ``[out_local, S*r]``
-(layout: :mod:`.lora_shards`), and its forward is the NVFP4 kernel's output plus the LoRA delta: at decode sizes the
-shrink runs on a side stream beside the NVFP4 GEMM and the expand adds into its output in place; two GEMMs above
+(layout: :mod:`.lora_shards`), and its forward is the NVFP4 kernel's output plus the LoRA delta: at decode sizes a
+Triton shrink before the NVFP4 GEMM and a Triton expand that adds into its output in place; two GEMMs above
 (:mod:`.lora_kernels`). The trainer copies each step's A and B into the
 buffers in place (:func:`push_lora_in_place`), so CUDA graphs and torch.compile see the new adapter with nothing
 re-captured.
@@ -178,10 +178,12 @@ class SingleLoRALinearMethod(LinearMethodBase):
         self.inner.process_weights_after_loading(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # the shrink first: at decode sizes it runs on a side stream, beside the base GEMM
-        shrunk = lora_shrink(x, layer.qerl_lora_a, layer.qerl_lora_bounds, layer.qerl_lora_partials, self.rank)
+        plan = layer.qerl_lora_plan
+        shrunk = lora_shrink(x, layer.qerl_lora_a, layer.qerl_lora_bounds, layer.qerl_lora_partials, self.rank,
+                             plan.out_rows)  # fmt: skip
         y = self.inner.apply(layer, x, bias)
-        lora_expand_(y, x, shrunk, layer.qerl_lora_b, layer.qerl_lora_bounds, self.rank)
+        lora_expand_(y, shrunk, layer.qerl_lora_b, layer.qerl_lora_bounds, layer.qerl_lora_partials, self.rank,
+                     plan.in_cols)  # fmt: skip
         return y
 
 
