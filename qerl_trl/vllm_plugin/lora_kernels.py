@@ -25,7 +25,7 @@ the base GEMM was measured too: it won beside a cuBLAS GEMM but not beside Hummi
 ``rollout_lora_overlap-h100.json``), so it is not done.
 
 Both ops are ``torch.library`` custom ops, opaque to torch.compile (vLLM compiles the model); the expand is
-declared to mutate ``y``, which the compiler reinplaces (``y`` is the base GEMM's fresh output). Both are
+declared to mutate ``y``, which the compiler can reinplace (``y`` is the base GEMM's fresh output). Both are
 deterministic, need no host sync and have fixed launch shapes per row count (CUDA-graph safe). Each layer owns
 its scratch (:func:`lora_partials`, and the semaphores at the tail of :func:`lora_slot_bounds`, which go back to
 zero); vLLM runs a model on one stream, so a layer's shrink never runs concurrently with itself.
@@ -66,7 +66,7 @@ SPLIT_MAX_ROWS = 16
 #: (``lora_delta-h100.json`` at 5005a69).
 SERIAL_MIN_COLS = 16384
 #: fp32 partial rows per LoRA row in a layer's scratch: the shrink splits K into at most this many partial rows per
-#: output row block (enough programs to fill the GPU at one row, few enough to sum quickly at 256)
+#: output row block (enough programs to fill the GPU at one row, few enough to sum quickly at 128)
 PARTIAL_ROWS = 512
 
 
