@@ -6,6 +6,7 @@ command-line flag, exactly like TRL's own configs.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -166,12 +167,51 @@ class QeRLGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._check_qerl_options()  # first: TrainingArguments' own checks may touch the device
         super().__post_init__()
         self._refuse_options_an_always_on_lora_cannot_run()
+        if self.use_vllm and self.vllm_mode != "colocate":
+            raise ValueError(
+                f"QeRLGRPOTrainer serves the LoRA on the FP4 base in vLLM colocate mode only; got "
+                f"vllm_mode={self.vllm_mode!r}. Set vllm_mode='colocate' (or use_vllm=False)."
+            )
+
+    def _check_qerl_options(self) -> None:
+        """Every QeRL option in its valid range, with a message that gives the range, before any model loads."""
+        # AQN (the same rules as aqn.AQNSchedule, checked here so a bad value fails before the model loads)
+        for name, example in (("aqn_sigma_start", "1e-2"), ("aqn_sigma_end", "5e-4")):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v) or v <= 0:
+                raise ValueError(
+                    f"{name} must be a finite number > 0 (a noise σ, e.g. {example}), got {v!r}. To train without "
+                    "noise, set aqn=False."
+                )
+        if self.aqn_sigma_end > self.aqn_sigma_start:
+            raise ValueError(
+                f"aqn_sigma_end ({self.aqn_sigma_end}) must be <= aqn_sigma_start ({self.aqn_sigma_start}): AQN decays "
+                "the noise from the first noisy stage to the last. Swap them, or set them equal for constant noise."
+            )
+        if not _is_int(self.aqn_num_stages) or self.aqn_num_stages < 2:
+            raise ValueError(
+                f"aqn_num_stages must be an integer >= 2 (stage 0 adds no noise, stages 1.. add it; the paper uses "
+                f"10), got {self.aqn_num_stages!r}. To train without noise, set aqn=False."
+            )
         if self.aqn_apply_to not in ("rollout", "rollout_and_policy"):
             raise ValueError(
                 f"aqn_apply_to must be 'rollout' or 'rollout_and_policy', got {self.aqn_apply_to!r}."
             )
+        # the default LoRA
+        if not _is_int(self.lora_r) or self.lora_r < 1:
+            raise ValueError(f"lora_r must be an integer >= 1 (the LoRA rank; the paper uses 32), got {self.lora_r!r}.")
+        if not _is_number(self.lora_alpha) or not math.isfinite(self.lora_alpha) or self.lora_alpha <= 0:
+            raise ValueError(
+                f"lora_alpha must be a finite number > 0 (the LoRA scale is lora_alpha / lora_r; QeRL uses 2 x lora_r), "
+                f"got {self.lora_alpha!r}."
+            )
+        if not _is_number(self.lora_dropout) or not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be in [0, 1) (0 keeps rollout and training forward identical), got "
+                             f"{self.lora_dropout!r}.")  # fmt: skip
+        # vLLM serving
         if self.vllm_lora_backend not in ("vllm", "qerl"):
             raise ValueError(
                 f"vllm_lora_backend must be 'vllm' (vLLM's LoRA adapters) or 'qerl' (the LoRA inside QeRL's NVFP4 "
@@ -181,14 +221,16 @@ class QeRLGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"vllm_fp4_kernel must be 'auto', 'humming' or 'marlin', got {self.vllm_fp4_kernel!r}."
             )
-        if self.vllm_max_logprob_gap is not None and self.vllm_max_logprob_gap <= 0:
-            raise ValueError(f"vllm_max_logprob_gap must be > 0 or None, got {self.vllm_max_logprob_gap}.")
-        if self.lora_r < 1:
-            raise ValueError(f"lora_r must be >= 1, got {self.lora_r}.")
-        if self.use_vllm and self.vllm_mode != "colocate":
+        if self.vllm_max_lora_rank is not None and (not _is_int(self.vllm_max_lora_rank) or self.vllm_max_lora_rank < 1):
             raise ValueError(
-                f"QeRLGRPOTrainer serves the LoRA on the FP4 base in vLLM colocate mode only; got "
-                f"vllm_mode={self.vllm_mode!r}. Set vllm_mode='colocate' (or use_vllm=False)."
+                f"vllm_max_lora_rank must be None (fit it to the LoRA rank) or an integer >= 1, got "
+                f"{self.vllm_max_lora_rank!r}."
+            )
+        gap = self.vllm_max_logprob_gap
+        if gap is not None and (not _is_number(gap) or not math.isfinite(gap) or gap <= 0):
+            raise ValueError(
+                f"vllm_max_logprob_gap must be a finite number > 0 (nats per token; healthy runs measure about 0.05, "
+                f"0.2-0.35 with AQN) or None to turn the check off, got {gap!r}."
             )
 
     def _refuse_options_an_always_on_lora_cannot_run(self) -> None:
@@ -223,3 +265,11 @@ class QeRLGRPOConfig(GRPOConfig):
     @property
     def resolved_cache_dir(self) -> str:
         return self.nvfp4_cache_dir or default_cache_dir()
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
