@@ -226,3 +226,25 @@ def test_config_defaults_and_validation(tmp_path):
         QeRLGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, aqn_apply_to="policy")
     with pytest.raises(ValueError, match="colocate"):
         QeRLGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, use_vllm=True, vllm_mode="server")
+
+
+def test_a_reward_that_is_always_nan_is_warned_about_and_training_goes_on(tiny_checkpoint, tmp_path, caplog):
+    """Issue #40: a reward function returning NaN for every completion used to train on silently with loss 0."""
+    import logging
+
+    def broken_reward(completions, **kwargs):
+        return [math.nan] * len(completions)
+
+    trainer = QeRLGRPOTrainer(
+        model=tiny_checkpoint,
+        reward_funcs=broken_reward,
+        args=config(tmp_path / "run", max_steps=2, save_strategy="no", aqn=False),
+        train_dataset=dataset(),
+        processing_class=make_tokenizer(),
+    )
+    with caplog.at_level(logging.WARNING, logger="qerl_trl.trainer.reward_watch"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # it warns, it does not stop
+    warned = [r.getMessage() for r in caplog.records if r.name == "qerl_trl.trainer.reward_watch"]
+    assert len(warned) == 1  # once, then at most every REPEAT_EVERY steps
+    assert warned[0].startswith("QeRL: step 0: every reward is NaN (4 completions; reward functions ['broken_reward'])")

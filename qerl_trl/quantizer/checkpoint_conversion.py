@@ -30,6 +30,10 @@ def quantize_checkpoint(
     read (so peak memory is about one layer in 16 bits plus the packed model; the loader's progress bar shows
     the layers), then ``save_pretrained`` writes the packed tensors and the tokenizer is copied alongside.
     A ``gguf_file`` (inside ``model``) is first dequantized to a temporary 16-bit checkpoint.
+
+    The checkpoint is written into a hidden sibling (``.<name>.partial-<pid>``) and renamed to ``out_dir`` once
+    complete, so a run killed halfway leaves no ``out_dir`` that a later run could take for a checkpoint; the next
+    call removes what such a run left.
     """
     import tempfile
 
@@ -38,6 +42,9 @@ def quantize_checkpoint(
 
     from .config import NVFP4Config
 
+    from ..model_source import check_model_source
+
+    check_model_source(model)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: choose a new OUT_DIR (nothing was overwritten).")
@@ -60,11 +67,35 @@ def quantize_checkpoint(
             revision=revision,
             trust_remote_code=trust_remote_code,
         )
-        out.mkdir(parents=True, exist_ok=True)
-        qmodel.save_pretrained(str(out), max_shard_size=max_shard_size)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_partials(out)
+        partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+        qmodel.save_pretrained(str(partial), max_shard_size=max_shard_size)
         tokenizer = AutoTokenizer.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
-        tokenizer.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(partial))
+        os.replace(partial, out)  # atomic; onto an empty out_dir too
     return out
+
+
+def _remove_dead_partials(out: Path) -> None:
+    """Remove the half-written ``.<name>.partial-<pid>`` siblings of ``out`` whose process is gone."""
+    import shutil
+
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        pid = partial.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            print(f"Removing {partial}, left half-written by a quantize run that ended (pid {pid}).", flush=True)
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def gguf_to_16bit(model_dir: str, gguf_file: str, out_dir: str | os.PathLike) -> str:

@@ -28,11 +28,13 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 from trl import GRPOTrainer
 
+from ..model_source import check_model_source
 from ..nvfp4 import NVFP4Linear
 from ..quantizer.moe import refuse_moe_config
 from .config import QeRLGRPOConfig
 from .model_forms import check_peft_model, has_nvfp4, quantize_instance, rewrap_peft_model, split_peft_model
 from .nvfp4_cache import checkpoint_key, ensure_cached_checkpoint, is_nvfp4a16_config
+from .reward_watch import DegenerateRewardWatch
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +126,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 "QeRLGRPOTrainer always loads the base through NVFP4Config; do not pass quantization_config. "
                 "Set the NVFP4 options (e.g. nvfp4_modules_to_not_convert) on QeRLGRPOConfig."
             )
+        if isinstance(model, str):
+            check_model_source(model)
         if args.use_vllm:
             from .vllm_serving import require_humming_if_forced, require_vllm
 
@@ -224,6 +228,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         from .distributed import exclude_nvfp4_base_from_ddp
         from .rollout_guard import RolloutPolicyGuard
 
+        self._reward_watch = DegenerateRewardWatch()
         self._rollout_guard = (
             RolloutPolicyGuard(args.vllm_max_logprob_gap)
             if args.use_vllm and args.vllm_max_logprob_gap is not None
@@ -336,6 +341,16 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if self._rollout_guard is not None and self.model.training:
             self._check_rollout_policy(output)
         return output
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's (every process's rewards, gathered), then a warning if GRPO can learn nothing from them
+        (``reward_watch``)."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.model.training and self.accelerator.is_main_process:
+            names = [getattr(f, "__name__", None) or type(f).__name__ for f in self.reward_funcs]
+            self._reward_watch.check(self.state.global_step, rewards_per_func, self.reward_weights,
+                                     self.num_generations, names)  # fmt: skip
+        return rewards_per_func
 
     def _check_rollout_policy(self, output: dict) -> None:
         sampling, trainer = output.get("sampling_per_token_logps"), output.get("old_per_token_logps")
