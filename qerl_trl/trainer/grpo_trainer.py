@@ -31,6 +31,7 @@ from trl import GRPOTrainer
 from ..model_source import check_model_source
 from ..nvfp4 import NVFP4Linear
 from ..quantizer.moe import refuse_moe_config
+from .checkpoint_check import resolve_resume_checkpoint
 from .config import QeRLGRPOConfig
 from .model_forms import check_peft_model, has_nvfp4, quantize_instance, rewrap_peft_model, split_peft_model
 from .nvfp4_cache import checkpoint_key, ensure_cached_checkpoint, is_nvfp4a16_config
@@ -341,6 +342,16 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if self._rollout_guard is not None and self.model.training:
             self._check_rollout_policy(output)
         return output
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """TRL's, after checking the checkpoint to resume from (``checkpoint_check``): ``True`` skips a newest
+        checkpoint whose save did not finish, and a broken named checkpoint fails here, naming the file and the last
+        checkpoint that loads."""
+        if resume_from_checkpoint:
+            resume_from_checkpoint = resolve_resume_checkpoint(
+                resume_from_checkpoint, self.args.output_dir, needs_optimizer=not self.args.save_only_model
+            )
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's (every process's rewards, gathered), then a warning if GRPO can learn nothing from them
