@@ -79,3 +79,51 @@ def test_is_nvfp4a16_config():
     assert not is_nvfp4a16_config({"quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized"}})
     assert not is_nvfp4a16_config({"quantization_config": {"quant_method": "bitsandbytes"}})
     assert not is_nvfp4a16_config({})
+
+
+_RACER = """
+import json, os, sys, time
+from qerl_trl.trainer.nvfp4_cache import ensure_cached_checkpoint
+
+root, start, me = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+while time.time() < start:  # both processes leave the line together
+    time.sleep(0.001)
+
+def write(tmp):  # a slow multi-file write, as a real checkpoint's shards are
+    for i in range(5):
+        with open(os.path.join(tmp, f"model-{i}.safetensors"), "w") as f:
+            f.write(me * 1000)
+        time.sleep(0.1)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump({"writer": me}, f)
+
+path, written = ensure_cached_checkpoint(root, "org/m", "k1", write)
+print(json.dumps({"path": path, "written": written}))
+"""
+
+
+def test_two_processes_that_start_at_once_share_the_cache_intact(tmp_path):
+    """Two trainers starting together (processes, not threads) both get one complete checkpoint: every shard from
+    the same writer, the marker in place, and no temporary directory left behind."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    start = time.time() + 3
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), str(start), name], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for name in "AB"]  # fmt: skip
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    paths = {r["path"] for r in results}
+    assert len(paths) == 1
+    final = paths.pop()
+    writer = json.load(open(os.path.join(final, "config.json")))["writer"]
+    for i in range(5):
+        assert open(os.path.join(final, f"model-{i}.safetensors")).read() == writer * 1000
+    assert os.path.exists(os.path.join(final, COMPLETE_MARKER))
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(final)]  # no .tmp-* left
+    assert [r["written"] for r in results].count(True) >= 1
