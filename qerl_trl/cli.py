@@ -149,6 +149,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         use_vllm=args.use_vllm,
         eval_size=args.eval_size,
         seed=args.seed,
+        dtype=args.dtype,
     )
     return 0
 
@@ -271,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--eval-size", type=int, default=64, help="Held-out problems scored before and after.")
     d.add_argument("--seed", type=int, default=0, help="Random seed.")
+    d.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="Compute dtype: auto = bfloat16 on a GPU or a CPU with native bf16 (AVX512-BF16, AMX), float32 on other "
+        "CPUs, where bf16 matmuls are emulated and about twice as slow as float32.",
+    )
 
     sub.add_parser(
         "compare",
