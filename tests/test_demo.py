@@ -18,9 +18,9 @@ def test_demo_runs_on_tiny_model(tmp_path):
     out = tmp_path / "demo"
     s = run_demo(
         output_dir=out, model=str(src), steps=2, num_generations=4, prompts_per_step=1, eval_size=4,
-        use_vllm="false", max_completion_length=4, aqn_num_stages=2, lora_r=8,
+        use_vllm="false", max_completion_length=4, aqn_num_stages=2, lora_r=8, dtype="float32",
     )  # fmt: skip
-    assert s["steps"] == 2 and s["rollouts"].startswith("transformers")
+    assert s["steps"] == 2 and s["rollouts"].startswith("transformers") and s["compute_dtype"] == "float32"
     assert len(s["train_reward_by_step"]) == 2 and all(0.0 <= r <= 1.0 for r in s["train_reward_by_step"])
     assert 0.0 <= s["heldout_accuracy_before"] <= 1.0 and 0.0 <= s["heldout_accuracy_after"] <= 1.0
     assert s["entropy_first"] is not None and s["entropy_first"] > 0
@@ -41,3 +41,30 @@ def test_fetch_uses_cached_gguf_without_network(tmp_path, monkeypatch):
     target.write_bytes(b"GGUF")
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("must not download when cached"))
     assert smollm2.fetch_smollm2(tmp_path) == target.parent
+
+
+def test_the_compute_dtype_follows_the_cpus_bf16_support(monkeypatch):
+    """Issue #40: on a CPU without native bf16 the demo computes in float32 (bf16 matmuls are emulated there);
+    oneDNN's ISA cap counts as such a CPU, which is how the no-BF16 figures in README were measured."""
+    import torch
+
+    from qerl_trl import demo
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    import platform
+
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert demo.cpu_has_native_bf16() and demo.compute_dtype("auto", on_gpu=False) == "bfloat16"
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert not demo.cpu_has_native_bf16() and demo.compute_dtype("auto", on_gpu=False) == "float32"
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    for isa, native in (("AVX512_CORE", False), ("AVX2", False), ("AVX512_CORE_BF16", True), ("ALL", True)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        assert demo.cpu_has_native_bf16() is native or platform.machine().lower() not in ("x86_64", "amd64")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    assert demo.compute_dtype("auto", on_gpu=True) == "bfloat16"  # GPUs compute in bf16
+    assert demo.compute_dtype("bfloat16", on_gpu=False) == "bfloat16"  # --dtype wins
+    with pytest.raises(ValueError, match=r"dtype must be one of \('auto', 'bfloat16', 'float32'\), got 'fp8'"):
+        demo.compute_dtype("fp8", on_gpu=False)
