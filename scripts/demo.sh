@@ -5,7 +5,8 @@
 #      quantizes it to NVFP4, trains a LoRA with QeRLGRPOTrainer (AQN on) on generated few-shot addition problems,
 #      and prints a summary (held-out accuracy before/after, reward per step, entropy, σ schedule, adapter path,
 #      PNG plot).
-# CPU: ~1.5 min model conversion (cached) + ~6 min training on 2 cores (transformers rollouts). With a CUDA GPU and vLLM installed (pip install
+# CPU: ~1.5 min model conversion (cached) + 5-6 min training on 2 cores (transformers rollouts; bf16 where the CPU
+# has it natively, float32 elsewhere). With a CUDA GPU and vLLM installed (pip install
 # "qerl-trl[vllm]"), rollouts run in vLLM colocate mode. Extra arguments go to `qerl-trl demo` (see --help).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

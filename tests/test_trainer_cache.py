@@ -82,8 +82,13 @@ def test_is_nvfp4a16_config():
 
 
 _RACER = """
-import json, os, sys, time
-from qerl_trl.trainer.nvfp4_cache import ensure_cached_checkpoint
+import importlib.util, json, os, sys, time
+
+# the module alone (standard library only), not the qerl_trl package: two package imports cost CI 20 s
+spec = importlib.util.spec_from_file_location("nvfp4_cache", sys.argv[4])
+cache = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cache)
+ensure_cached_checkpoint = cache.ensure_cached_checkpoint
 
 root, start, me = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 while time.time() < start:  # both processes leave the line together
@@ -110,9 +115,11 @@ def test_two_processes_that_start_at_once_share_the_cache_intact(tmp_path):
     import sys
     import time
 
-    start = time.time() + 3
-    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), str(start), name], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for name in "AB"]  # fmt: skip
+    from qerl_trl.trainer import nvfp4_cache
+
+    start = time.time() + 1
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), str(start), name, nvfp4_cache.__file__],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in "AB"]  # fmt: skip
     results = []
     for p in procs:
         out, err = p.communicate(timeout=120)
