@@ -8,6 +8,7 @@ two ops, as vLLM runs them."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -169,6 +170,31 @@ def test_the_ops_trace_under_torch_compile(backend):
 
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(y, x), 2 * lora_delta_add_reference(y, x, a, b))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor on CPU needs a C++ compiler")
+def test_inductor_reinplaces_the_expand_into_the_base_gemms_output():
+    """vLLM compiles the model with Inductor, which functionalizes the mutating expand: it must run it on the base
+    GEMM's output buffer itself, with no copy of ``y`` (what the out-of-place two-GEMM path paid for)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    a, b, bounds, partials = layer([32, 16], 64, 8, torch.float32)
+    w = torch.randn(48, 64, device=DEVICE)
+
+    def linear(x):
+        shrunk = lora_shrink(x, a, bounds, partials, 8, 48)
+        y = x @ w.t()  # the base GEMM
+        lora_expand_(y, shrunk, b, bounds, partials, 8, 64)
+        return torch.relu(y)
+
+    x = torch.randn(KERNEL_MAX_ROWS + 44, 64, device=DEVICE)  # the GEMM path: no Triton inside the compiled call
+    out, (code,) = run_and_get_code(torch.compile(linear, backend="inductor", fullgraph=True), x)
+    torch.testing.assert_close(out, torch.relu(lora_delta_add_reference(x @ w.t(), x, a, b)), rtol=1e-4, atol=1e-4)
+    mm_out = re.search(r"extern_kernels\.mm\(.*out=(buf\d+)\)", code).group(1)
+    assert re.search(rf"lora_expand_\.default\({mm_out},", code), code  # in place on the GEMM's output
+    assert "clone" not in code and ".copy_(" not in code, code
 
 
 @pytest.mark.gpu

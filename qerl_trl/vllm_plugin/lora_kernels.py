@@ -25,7 +25,8 @@ the base GEMM was measured too: it won beside a cuBLAS GEMM but not beside Hummi
 ``rollout_lora_overlap-h100.json``), so it is not done.
 
 Both ops are ``torch.library`` custom ops, opaque to torch.compile (vLLM compiles the model); the expand is
-declared to mutate ``y``, which the compiler can reinplace (``y`` is the base GEMM's fresh output). Both are
+declared to mutate ``y``, and Inductor runs it on the base GEMM's output buffer itself, with no copy
+(``tests/test_lora_kernels.py``, on CPU). Both are
 deterministic, need no host sync and have fixed launch shapes per row count (CUDA-graph safe). Each layer owns
 its scratch (:func:`lora_partials`, and the semaphores at the tail of :func:`lora_slot_bounds`, which go back to
 zero); vLLM runs a model on one stream, so a layer's shrink never runs concurrently with itself.
