@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._common import write_result  # noqa: E402
+from benchmarks._common import git_commit, gpu_uuid, write_result  # noqa: E402
 from qerl_trl.vllm_plugin import lora_kernels as lk  # noqa: E402
 
 LAYERS = {"7b": 28, "14b": 48, "32b": 64}
@@ -100,6 +100,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     dev, dt, r = "cuda", torch.bfloat16, a.rank
     rows_out = []
+    commit, uuid = git_commit(), gpu_uuid()
     for size in a.sizes:
         for m in a.rows:
             for name, (slot_rows, k) in SHAPES[size].items():
@@ -131,7 +132,8 @@ def main() -> None:
                     us = graph_us([lambda p=p: fn(p) for p in layers])
                     base_us = us if path == "base" else base_us
                     rows_out.append(dict(size=size, layer=name, rows=m, rank=r, path=path, us=round(us, 2),
-                                         lora_us=round(us - base_us, 2), max_rel_err=err and round(err, 5)))  # fmt: skip
+                                         lora_us=round(us - base_us, 2), max_rel_err=err and round(err, 5),
+                                         commit=commit, gpu_uuid=uuid))  # fmt: skip
                     print(f"{size} m={m:3d} {name:8s} {path:8s} {us:7.2f} us  LoRA {us - base_us:6.2f} us  err {err}",
                           flush=True)  # fmt: skip
                 del layers
