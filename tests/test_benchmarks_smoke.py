@@ -24,3 +24,19 @@ def test_memory_benchmark_runs_on_cpu(tmp_path):
     assert 0.5625 < rows["nvfp4"]["bytes_per_quantized_weight"] <= 0.5625 + 4 / (64 * 128)
     assert rows["nvfp4"]["saved_tensors_mib_minus_bf16"] < rows["nvfp4"]["smallest_dense_weight_mib"]
     assert all("fwd_bwd_peak_gib" in r for r in rows.values())
+
+
+def test_every_measured_row_of_the_committed_results_names_its_commit():
+    """A result file's rows may come from several runs and commits (merges), so each measured row names its own;
+    rows that record a configuration not run (``not_run: ...``) need not."""
+    import glob
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "results")
+    missing = {}
+    for path in sorted(glob.glob(os.path.join(root, "*.json"))):
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        bad = [r for r in rows if not r.get("commit") and not str(r.get("status", "")).startswith("not_run")]
+        if bad:
+            missing[os.path.basename(path)] = len(bad)
+    assert not missing, f"rows without a commit: {missing}"
