@@ -17,10 +17,11 @@ __all__ = ["check_model_source"]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
-def check_model_source(model: str, what: str = "model") -> None:
+def check_model_source(model: str, what: str = "model", needs_config: bool = True) -> None:
     """Raise, naming ``model``, if it is a local path that is not a model directory: a file, a directory without
-    ``config.json``, or a missing path (anything a Hub repo id cannot be: ``/abs``, ``./rel``, ``~/x``,
-    ``a/b/c``). A string that can be a Hub id and is not a local directory is left to the Hub."""
+    ``config.json`` (unless ``needs_config`` is False: a GGUF file's directory holds none), or a missing path
+    (anything a Hub repo id cannot be: ``/abs``, ``./rel``, ``~/x``, ``a/b/c``). A string that can be a Hub id and
+    is not a local directory is left to the Hub."""
     path = os.path.expanduser(model)
     if os.path.isfile(path):
         raise ValueError(
@@ -28,7 +29,7 @@ def check_model_source(model: str, what: str = "model") -> None:
             "GGUF file, its directory and gguf_file=<name>), or a Hub repo id such as 'Qwen/Qwen2.5-7B-Instruct'."
         )
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        if needs_config and not os.path.isfile(os.path.join(path, "config.json")):
             adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))
             raise ValueError(
                 f"{what}={model!r} is a directory without config.json, so it is not a model checkpoint"

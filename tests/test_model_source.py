@@ -55,6 +55,28 @@ def test_directories_without_config_json(tmp_path):
         check_model_source(str(adapter))
 
 
+def test_a_gguf_directory_needs_no_config_json(tmp_path):
+    """``qerl-trl quantize DIR OUT --gguf-file F``: DIR holds the GGUF file and no config.json."""
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    (gguf_dir / "model.Q4_1.gguf").write_bytes(b"GGUF")
+    check_model_source(str(gguf_dir), needs_config=False)
+    with pytest.raises(ValueError, match="directory without config.json"):
+        check_model_source(str(gguf_dir))
+
+
+def test_quantize_takes_a_gguf_directory(tmp_path, monkeypatch):
+    from qerl_trl.quantizer import checkpoint_conversion
+
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    (gguf_dir / "model.Q4_1.gguf").write_bytes(b"GGUF")
+    src = tiny_checkpoint(tmp_path / "src")  # what dequantizing the GGUF gives
+    monkeypatch.setattr(checkpoint_conversion, "gguf_to_16bit", lambda model, gguf_file, tmp: str(src))
+    out = checkpoint_conversion.quantize_checkpoint(str(gguf_dir), tmp_path / "out", gguf_file="model.Q4_1.gguf")
+    assert (out / "config.json").exists()
+
+
 def test_hub_ids_and_model_directories_pass(tmp_path):
     for hub_id in ("gpt2", "Qwen/Qwen2.5-7B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         check_model_source(hub_id)  # left to the Hub

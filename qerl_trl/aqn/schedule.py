@@ -6,6 +6,25 @@ import math
 from dataclasses import dataclass
 
 
+def schedule_problem(sigma_start: object, sigma_end: object, num_stages: object, prefix: str = "") -> str | None:
+    """What makes these schedule arguments invalid, with the valid range, or None. ``prefix`` names the fields as
+    the caller's user knows them (``QeRLGRPOConfig``'s ``aqn_``), so its check and this class's say the same."""
+    for name, v, example in (("sigma_start", sigma_start, "1e-2"), ("sigma_end", sigma_end, "5e-4")):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            return f"{prefix}{name} must be a finite number > 0 (a noise σ, e.g. {example}), got {v!r}."
+    if sigma_end > sigma_start:
+        return (
+            f"{prefix}sigma_end ({sigma_end}) must be <= {prefix}sigma_start ({sigma_start}): AQN decays the noise "
+            "from the first noisy stage to the last. Swap them, or set them equal for constant noise."
+        )
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 2:
+        return (
+            f"{prefix}num_stages must be an integer >= 2 (stage 0 adds no noise, stages 1.. add it; the paper uses "
+            f"10), got {num_stages!r}."
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class AQNSchedule:
     """σ per training step.
@@ -25,19 +44,9 @@ class AQNSchedule:
     num_stages: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("sigma_start", "sigma_end"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"AQNSchedule: {name} must be a finite number > 0, got {v!r}")
-        if self.sigma_end > self.sigma_start:
-            raise ValueError(
-                f"AQNSchedule: sigma_end ({self.sigma_end}) must be <= sigma_start ({self.sigma_start}); "
-                "the schedule decays the noise over training"
-            )
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 2:
-            raise ValueError(
-                f"AQNSchedule: num_stages must be an int >= 2 (stage 0 is noise-free), got {self.num_stages!r}"
-            )
+        why = schedule_problem(self.sigma_start, self.sigma_end, self.num_stages)
+        if why:
+            raise ValueError(f"AQNSchedule: {why}")
 
     def stage(self, step: int, max_steps: int) -> int:
         """The stage (0..K−1) that optimizer step ``step`` (0-based, e.g. ``TrainerState.global_step``) is in."""

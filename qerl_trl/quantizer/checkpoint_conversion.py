@@ -44,7 +44,7 @@ def quantize_checkpoint(
 
     from ..model_source import check_model_source
 
-    check_model_source(model)
+    check_model_source(model, needs_config=not gguf_file)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: choose a new OUT_DIR (nothing was overwritten).")

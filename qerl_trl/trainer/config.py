@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..aqn.schedule import schedule_problem
 from ..vllm_plugin.fp4_kernel import FP4_KERNELS  # imports no vLLM
 
 __all__ = ["QeRLGRPOConfig", "default_cache_dir"]
@@ -178,24 +179,10 @@ class QeRLGRPOConfig(GRPOConfig):
 
     def _check_qerl_options(self) -> None:
         """Every QeRL option in its valid range, with a message that gives the range, before any model loads."""
-        # AQN (the same rules as aqn.AQNSchedule, checked here so a bad value fails before the model loads)
-        for name, example in (("aqn_sigma_start", "1e-2"), ("aqn_sigma_end", "5e-4")):
-            v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v) or v <= 0:
-                raise ValueError(
-                    f"{name} must be a finite number > 0 (a noise σ, e.g. {example}), got {v!r}. To train without "
-                    "noise, set aqn=False."
-                )
-        if self.aqn_sigma_end > self.aqn_sigma_start:
-            raise ValueError(
-                f"aqn_sigma_end ({self.aqn_sigma_end}) must be <= aqn_sigma_start ({self.aqn_sigma_start}): AQN decays "
-                "the noise from the first noisy stage to the last. Swap them, or set them equal for constant noise."
-            )
-        if not _is_int(self.aqn_num_stages) or self.aqn_num_stages < 2:
-            raise ValueError(
-                f"aqn_num_stages must be an integer >= 2 (stage 0 adds no noise, stages 1.. add it; the paper uses "
-                f"10), got {self.aqn_num_stages!r}. To train without noise, set aqn=False."
-            )
+        # AQN: the schedule's own rules, named as the config's fields
+        why = schedule_problem(self.aqn_sigma_start, self.aqn_sigma_end, self.aqn_num_stages, prefix="aqn_")
+        if why:
+            raise ValueError(f"{why} To train without noise, set aqn=False.")
         if self.aqn_apply_to not in ("rollout", "rollout_and_policy"):
             raise ValueError(
                 f"aqn_apply_to must be 'rollout' or 'rollout_and_policy', got {self.aqn_apply_to!r}."
