@@ -224,8 +224,19 @@ def test_config_defaults_and_validation(tmp_path):
     assert lora.r == 32 and lora.target_modules == "all-linear" and lora.bias == "none"
     with pytest.raises(ValueError, match="aqn_apply_to"):
         QeRLGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, aqn_apply_to="policy")
-    with pytest.raises(ValueError, match="colocate"):
-        QeRLGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, use_vllm=True, vllm_mode="server")
+    server = QeRLGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, use_vllm=True, vllm_mode="server")
+    assert server.vllm_mode == "server"  # served by `qerl-trl vllm-serve` (tests/test_server_mode.py)
+
+
+def test_fsdp_and_deepspeed_are_refused_before_anything_is_set_up(tmp_path, monkeypatch):
+    """Issue #39's verdict: sharding the packed FP4 base is refused, naming DDP (and TP or server rollouts)."""
+    with pytest.raises(ValueError, match=r"under FSDP.*--multi_gpu.*vllm_tensor_parallel_size"):
+        QeRLGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, fsdp="full_shard")
+    # `accelerate launch --use_deepspeed` says so through the environment; DeepSpeed is not installed here, and the
+    # refusal comes before TrainingArguments would import it
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="under DeepSpeed"):
+        QeRLGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True)
 
 
 def test_a_reward_that_is_always_nan_is_warned_about_and_training_goes_on(tiny_checkpoint, tmp_path, caplog):

@@ -57,7 +57,7 @@ class QeRLGRPOConfig(GRPOConfig):
         aqn_num_stages (`int`, defaults to `10`): number of equal stages K; stage 0 adds no noise.
         aqn_apply_to (`str`, defaults to `"rollout"`): `"rollout"` (paper) or `"rollout_and_policy"`.
 
-        > vLLM LoRA serving (colocate mode)
+        > vLLM LoRA serving (colocate mode, and server mode with `qerl-trl vllm-serve`)
 
         vllm_lora_backend (`str`, defaults to `"qerl"`):
             How the colocated engine serves the LoRA. `"qerl"`: QeRL's vLLM quantization method `qerl_nvfp4_lora`,
@@ -80,8 +80,9 @@ class QeRLGRPOConfig(GRPOConfig):
             served padded to it (logged).
         vllm_enforce_eager (`bool`, defaults to `False`): run vLLM without torch.compile / CUDA graphs.
         vllm_lora_sync_dir (`str`, defaults to `"/dev/shm"`):
-            With `vllm_lora_backend="vllm"`: the RAM-backed directory through which each round's adapter is handed
-            to vLLM (deleted right after the load; never persistent disk).
+            The RAM-backed directory through which each round's adapter (`vllm_lora_backend="vllm"`) or, in server
+            mode, each round's LoRA and AQN norms are handed to vLLM (deleted right after the load). In server mode
+            the server must see it too: `/dev/shm` on one host, a shared directory across hosts.
         vllm_max_logprob_gap (`float` or `None`, defaults to `2.0`):
             Stop training when, for 3 generation rounds in a row, the mean |log p_vLLM − log p_trainer| per
             completion token exceeds this many nats (or most of vLLM's log-probs are NaN): the engine is not serving
@@ -90,7 +91,13 @@ class QeRLGRPOConfig(GRPOConfig):
     > [!NOTE]
     > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
     > Refused here, before any model loads (the policy is always a LoRA on a frozen NVFP4 base):
-    > `sync_ref_model=True`, `model_init_kwargs["quantization_config"]` and `vllm_mode="server"`.
+    > `sync_ref_model=True`, `model_init_kwargs["quantization_config"]`, FSDP and DeepSpeed (use DDP).
+
+    > [!TIP]
+    > `vllm_mode="server"` (rollouts on other GPUs): start the server with `qerl-trl vllm-serve CHECKPOINT` (the
+    > NVFP4A16 checkpoint the trainer loads, with the same LoRA and AQN options). Each round the trainer hands the
+    > server only the LoRA and AQN's norms; the FP4 base is never merged or sent. A server that cannot serve the
+    > trainer's policy is refused before the first step, with the command that serves it.
     """
 
     learning_rate: float = field(
@@ -169,13 +176,11 @@ class QeRLGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         self._check_qerl_options()  # first: TrainingArguments' own checks may touch the device
+        self._refuse_sharded_training()  # before TrainingArguments imports DeepSpeed or sets FSDP up
         super().__post_init__()
         self._refuse_options_an_always_on_lora_cannot_run()
-        if self.use_vllm and self.vllm_mode != "colocate":
-            raise ValueError(
-                f"QeRLGRPOTrainer serves the LoRA on the FP4 base in vLLM colocate mode only; got "
-                f"vllm_mode={self.vllm_mode!r}. Set vllm_mode='colocate' (or use_vllm=False)."
-            )
+        if self.use_vllm and self.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
 
     def _check_qerl_options(self) -> None:
         """Every QeRL option in its valid range, with a message that gives the range, before any model loads."""
@@ -234,6 +239,22 @@ class QeRLGRPOConfig(GRPOConfig):
                 "model_init_kwargs['quantization_config'] is not used: QeRLGRPOTrainer always loads the base through "
                 "NVFP4Config. Remove it, and set the NVFP4 options (e.g. nvfp4_modules_to_not_convert) on "
                 "QeRLGRPOConfig."
+            )
+
+    def _refuse_sharded_training(self) -> None:
+        """FSDP and DeepSpeed are refused (the verdict of issue #39): they shard or flatten parameters, and the frozen
+        base is packed uint8 FP4 plus FP8 scales that NVFP4Linear reads whole. DDP covers the need: the NVFP4 base
+        is about 4.5 bits a weight (a 32B policy holds 18 GB on each GPU) and only the LoRA is trained."""
+        env = os.environ
+        fsdp = bool(self.fsdp) or env.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+        deepspeed = bool(self.deepspeed) or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
+        if fsdp or deepspeed:
+            raise ValueError(
+                f"QeRLGRPOTrainer does not train under {'FSDP' if fsdp else 'DeepSpeed'}: it would shard the frozen "
+                "NVFP4 base (packed uint8 weights and FP8 scales that each NVFP4 layer reads whole), and only the LoRA "
+                "is trained. Use data parallelism instead, `accelerate launch --multi_gpu --num_processes N` (the "
+                "NVFP4 base of a 32B model holds about 18 GB on each GPU); for rollouts of large models add "
+                "vllm_tensor_parallel_size, or vllm_mode='server' with `qerl-trl vllm-serve`."
             )
 
     def default_lora_config(self):

@@ -194,10 +194,16 @@ class QeRLGRPOTrainer(GRPOTrainer):
             rank = check_lora_config_for_vllm(peft_config)
             qerl_lora = args.vllm_lora_backend == "qerl"  # any rank: no vLLM LoRA slots to pad to
             max_rank = rank if qerl_lora else vllm_max_lora_rank(rank, args.vllm_max_lora_rank)
-            checkpoint = self._vllm_checkpoint(model, source, source_is_nvfp4, processing_class, args)
             norm_names = []
             if self.aqn is not None:
                 norm_names = [vllm_param_name(t) for t in find_noise_targets(model)]
+            if args.vllm_mode == "server":  # the server serves its own copy of the checkpoint, with its kernel
+                checkpoint, kernel = self._server_checkpoint_hint(source, source_is_nvfp4), "chosen by the server"
+            else:
+                checkpoint = self._vllm_checkpoint(model, source, source_is_nvfp4, processing_class, args)
+                kernel = resolve_fp4_kernel(
+                    args.vllm_fp4_kernel, args.vllm_lora_backend, checkpoint, args.vllm_tensor_parallel_size
+                ).kernel
             spec = VLLMServingSpec(
                 checkpoint=checkpoint,
                 tokenizer=checkpoint,
@@ -206,9 +212,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 enforce_eager=args.vllm_enforce_eager,
                 lora_sync_dir=args.vllm_lora_sync_dir,
                 lora_backend=args.vllm_lora_backend,
-                fp4_kernel=resolve_fp4_kernel(
-                    args.vllm_fp4_kernel, args.vllm_lora_backend, checkpoint, args.vllm_tensor_parallel_size
-                ).kernel,
+                fp4_kernel=kernel,
             )
             cls = make_qerl_vllm_generation_class()
             swap = swap_trl_vllm_generation(lambda *a, **kw: cls(*a, serving=spec, **kw))
@@ -293,6 +297,19 @@ class QeRLGRPOTrainer(GRPOTrainer):
     def _check_policy(model: nn.Module) -> None:
         base = _base_model(model)
         check_architecture(base.config, type(base).__name__)
+
+    @staticmethod
+    def _server_checkpoint_hint(source: str | None, source_is_nvfp4: bool) -> str:
+        """Server mode: what the server must serve (for messages): the NVFP4A16 checkpoint this trainer loaded, or
+        the one ``qerl-trl quantize`` writes from its 16-bit model (byte-equal to the base quantized on load)."""
+        if source is not None and source_is_nvfp4:
+            return source
+        logger.warning(
+            "vllm_mode='server': the server must serve the NVFP4A16 checkpoint of this model, written by `qerl-trl "
+            "quantize %s NVFP4_DIR` (byte-equal to the base this trainer quantized on load); training from that "
+            "directory too rules out a mismatch.", source or "MODEL",
+        )
+        return "NVFP4_DIR"
 
     @staticmethod
     def _vllm_checkpoint(model, source, source_is_nvfp4, processing_class, args) -> str:

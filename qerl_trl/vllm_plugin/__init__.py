@@ -13,7 +13,7 @@ __all__ = ["LORA_KEY", "OTHER_BACKEND_HINT", "QUANT_NAME", "lora_quantization_ov
 
 
 def register(strict: bool = False) -> None:
-    """Register the ``qerl_nvfp4_lora`` quantization method with vLLM (idempotent).
+    """Register the ``qerl_nvfp4_lora`` quantization method with vLLM, and the float32 AQN-norm hook (idempotent).
 
     vLLM calls this, unguarded, at every engine start of anyone who has qerl-trl installed, so by default a failure
     (another vLLM version, say) is logged and the engine starts without our method. QeRL's trainer, which needs the
@@ -21,6 +21,9 @@ def register(strict: bool = False) -> None:
     """
     try:
         from . import single_lora  # noqa: F401  (the decorator registers it)
+        from .fp32_norms import install_fp32_norm_hook
+
+        install_fp32_norm_hook()  # engines of `qerl-trl vllm-serve` list their AQN norms in the HF config
     except Exception:
         if strict:
             raise

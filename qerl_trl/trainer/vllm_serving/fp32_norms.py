@@ -12,35 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
-from torch import nn
+
+from ...vllm_plugin.fp32_norms import cast_norms_to_fp32, copy_norms_in_place
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["cast_norms_to_fp32", "fp32_norms_during_load", "push_norm_weights"]
-
-def cast_norms_to_fp32(model: nn.Module, param_names: Iterable[str]) -> list[str]:
-    """Make the named 1-D norm weights float32 Parameters in place (keeping device); return the names changed.
-
-    The module's ``weight`` attribute is replaced by a float32 Parameter so that vLLM's RMSNorm multiplies in fp32.
-    """
-    changed = []
-    for name in param_names:
-        mod_name, _, attr = name.rpartition(".")
-        try:
-            module = model.get_submodule(mod_name)
-        except AttributeError:
-            raise ValueError(
-                f"AQN norm {name!r} was not found in vLLM's model ({type(model).__name__}); the HF and vLLM module "
-                "trees differ for this architecture."
-            ) from None
-        w = getattr(module, attr)
-        if w.dtype != torch.float32:
-            setattr(module, attr, nn.Parameter(w.data.to(torch.float32), requires_grad=False))
-            changed.append(name)
-    return changed
 
 
 @contextlib.contextmanager
@@ -73,16 +53,4 @@ def fp32_norms_during_load(param_names: list[str]) -> Iterator[None]:
 
 def push_norm_weights(llm: Any, noised: dict[str, torch.Tensor]) -> int:
     """Copy AQN-noised norm weights (keyed by vLLM parameter name) in place into vLLM's model; return count."""
-
-    def _apply(model: nn.Module) -> int:
-        params = dict(model.named_parameters())
-        n = 0
-        for name, value in noised.items():
-            p = params.get(name)
-            if p is None:
-                raise KeyError(f"vLLM's model has no parameter {name!r} for the AQN noise.")
-            p.data.copy_(value.to(device=p.device, dtype=p.dtype))
-            n += 1
-        return n
-
-    return sum(llm.apply_model(_apply))
+    return sum(llm.apply_model(lambda model: copy_norms_in_place(model, noised)))

@@ -6,8 +6,9 @@ stays frozen inside vLLM and only the LoRA (and AQN's norms) move:
 
 * ``QeRLVLLMGeneration`` subclasses TRL's ``trl.generation.vllm_generation.VLLMGeneration`` and overrides
   ``_init_vllm`` (build the one colocated ``LLM`` on the NVFP4A16 checkpoint, with the LoRA backend's engine
-  arguments) and ``sync_weights`` (the backend syncs the LoRA, then the AQN-noised norms, then the prefix cache is
-  reset). TRL's ``generate`` is reused unchanged; the engine it calls is a ``LoRAServingLLM`` proxy that adds
+  arguments; in server mode, connect to a server started by ``qerl-trl vllm-serve`` and check it, see
+  :mod:`.server_sync`) and ``sync_weights`` (the backend syncs the LoRA, then the AQN-noised norms, then the prefix
+  cache is reset; in server mode the same through the server). TRL's ``generate`` is reused unchanged; the engine it calls is a ``LoRAServingLLM`` proxy that adds
   ``lora_request=`` and maps sleep level 2 (which TRL 1.16 hard-codes, and which breaks LoRA) to level 1.
 * ``swap_trl_vllm_generation`` swaps the ``VLLMGeneration`` name that ``trl.trainer.grpo_trainer`` instantiates in
   ``GRPOTrainer.__init__``, so only one engine is ever built.
@@ -61,8 +62,8 @@ def make_qerl_vllm_generation_class():
         def _init_vllm(self):
             from vllm import LLM
 
-            if self.mode != "colocate":
-                raise ValueError("QeRLGRPOTrainer supports vllm_mode='colocate' only.")
+            if self.mode == "server":
+                return self._connect_server()
             accelerator = self.accelerator
             if accelerator.num_processes % self.tensor_parallel_size:
                 raise ValueError(
@@ -113,9 +114,57 @@ def make_qerl_vllm_generation_class():
             self._llm_weights_sleeping = self.enable_sleep_mode
             accelerator.wait_for_everyone()
 
+        def _connect_server(self) -> None:
+            """Server mode: TRL's client without its NCCL weight-transfer group (nothing but the LoRA and the norms
+            ever moves), and the check that the server serves this policy. Every rank raises the main process's
+            error, so none waits in a collective for a rank that stopped."""
+            from accelerate.utils import broadcast_object_list
+            from trl.generation.vllm_client import VLLMClient
+
+            from .peft_tensors import peft_lora_modules
+            from .server_command import ServerRequirements
+            from .server_sync import ServerSync
+
+            accelerator = self.accelerator
+            spec = self.serving
+            targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in peft_lora_modules(self.model)[0]}))
+            req = ServerRequirements(spec.lora_backend, int(self.model.peft_config["default"].r), targets,
+                                     tuple(sorted(spec.fp32_norm_names)))  # fmt: skip
+            base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+            error = None
+            if accelerator.is_main_process:
+                try:
+                    self.vllm_client = VLLMClient(base_url=base_url, group_port=self.group_port,
+                                                  connection_timeout=self.server_timeout)  # fmt: skip
+                    self.server_sync = ServerSync(base_url, req, spec.lora_sync_dir, spec.checkpoint)
+                    self.server_sync.check()
+                except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                    error = f"{type(e).__name__}: {e}"
+            errors = [error]
+            if accelerator.num_processes > 1:
+                broadcast_object_list(errors, from_process=0)
+            if errors[0] is not None:
+                raise RuntimeError(errors[0])
+
+        def _sync_server(self) -> None:
+            """Server mode: the main process sends the LoRA (gathered first under ZeRO-3) and the round's norms."""
+            with self._dist.gather_params(self.lora_backend.lora_parameters(self.model)):
+                if self.accelerator.is_main_process:
+                    self.server_sync.sync(self.model, self.pending_norms)
+                    if self.serving.lora_backend == "vllm":
+                        from .server_command import POLICY_LORA_NAME
+
+                        self.vllm_client.model = POLICY_LORA_NAME  # TRL's requests name the served model
+                    self.vllm_client.reset_prefix_cache()
+            self.pending_norms = None
+
         def sync_weights(self):
             """Sync the current LoRA (through the LoRA backend) and the pending AQN norms; never touch the FP4 base."""
             t0 = time.perf_counter()
+            if self.mode == "server":
+                self._sync_server()
+                self.last_sync_seconds = time.perf_counter() - t0
+                return
             if self.enable_sleep_mode and self._llm_weights_sleeping:
                 empty_cache()
                 self.llm.wake_up(tags=["weights"])
@@ -133,7 +182,9 @@ def make_qerl_vllm_generation_class():
             self.last_sync_seconds = time.perf_counter() - t0
 
         def clear_lora(self) -> int:
-            """Serve the bare NVFP4 base (no LoRA) until the next sync; for checks."""
+            """Serve the bare NVFP4 base (no LoRA) until the next sync; for checks (colocate mode)."""
+            if self.mode == "server":
+                raise NotImplementedError("clear_lora() is a check of the colocated engine; not in server mode.")
             n = self.lora_backend.clear()
             if self.lora_backend.uses_lora_request:
                 self.llm.lora_request = None
