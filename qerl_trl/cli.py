@@ -1,7 +1,8 @@
-"""The ``qerl-trl`` command: ``quantize``, ``train``, ``push``, ``demo``, ``compare``.
+"""The ``qerl-trl`` command: ``quantize``, ``train``, ``vllm-serve``, ``push``, ``demo``, ``compare``.
 
     qerl-trl quantize Qwen/Qwen2.5-7B-Instruct ./qwen2.5-7b-nvfp4      # 16-bit -> NVFP4A16 checkpoint
     qerl-trl train --config examples/recipes/qwen2.5-7b_gsm8k.yaml     # QeRL GRPO/DAPO from a recipe
+    qerl-trl vllm-serve ./qwen2.5-7b-nvfp4 --port 8000                 # rollouts for vllm_mode="server"
     qerl-trl push base ./qwen2.5-7b-nvfp4 me/Qwen2.5-7B-Instruct-NVFP4 # NVFP4 base + card
     qerl-trl push adapter ./outputs/run me/run-lora --base-repo me/Qwen2.5-7B-Instruct-NVFP4
     qerl-trl demo                                                      # the README's first command
@@ -89,6 +90,29 @@ def _dry_run_report(script: str, script_args: Any, training_args: Any, recipe: d
         f"{type(training_args).__name__} options from the recipe and the command line: "
         f"{json.dumps(options, default=str)}",
     ])  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------------- vllm-serve
+
+
+def _cmd_vllm_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    import os
+    import shlex
+
+    from .trainer.vllm_serving.server_command import vllm_serve_command
+
+    argv, env, _ = vllm_serve_command(
+        args.model, lora_backend=args.lora_backend, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules,
+        aqn=args.aqn, fp4_kernel=args.fp4_kernel, revision=args.revision, host=args.host, port=args.port,
+        tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank, enforce_eager=args.enforce_eager,
+        extra=rest,
+    )  # fmt: skip
+    print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv), flush=True)
+    if args.print_only:
+        return 0
+    os.execve(argv[0], argv, {**os.environ, **env})
+    return 0  # not reached
 
 
 # -------------------------------------------------------------------------------------------------------- push
@@ -187,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n", 2)[2],
     )
-    sub = p.add_subparsers(dest="command", metavar="{quantize,train,push,demo,compare}")
+    sub = p.add_subparsers(dest="command", metavar="{quantize,train,vllm-serve,push,demo,compare}")
 
     q = sub.add_parser(
         "quantize",
@@ -231,6 +255,33 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Parse the recipe and overrides, print what would run, and exit without loading a model.",
     )
+
+    v = sub.add_parser(
+        "vllm-serve",
+        help="Serve an NVFP4A16 checkpoint with vLLM for trainers in vllm_mode='server'.",
+        description="Start `vllm serve` on an NVFP4A16 checkpoint (`qerl-trl quantize` output) set up for "
+        "QeRLGRPOTrainer(vllm_mode='server'): the LoRA served in-layer (or as a vLLM adapter), AQN's norms in float32, "
+        "QeRL's worker extension for the per-round sync, and TRL's log-prob settings. The LoRA and AQN options must "
+        "match the trainer's (the trainer checks, and prints this command when they differ). Options it does not "
+        "know go to `vllm serve`.",
+    )
+    v.add_argument("model", help="NVFP4A16 checkpoint: local directory or Hub id (the one the trainer loads).")
+    v.add_argument("--lora-backend", choices=["qerl", "vllm"], default="qerl", help="The trainer's vllm_lora_backend.")
+    v.add_argument("--lora-r", type=int, default=32, help="The trainer's LoRA rank (default: 32).")
+    v.add_argument("--lora-target-modules", nargs="+", default=["all-linear"], metavar="NAME",
+                   help="The trainer's LoRA target modules (default: all-linear).")  # fmt: skip
+    v.add_argument("--no-aqn", dest="aqn", action="store_false", help="The trainer runs with aqn=False.")
+    v.add_argument("--fp4-kernel", choices=["auto", "humming", "marlin"], default="auto",
+                   help="The FP4 GEMM (see QeRLGRPOConfig.vllm_fp4_kernel).")  # fmt: skip
+    v.add_argument("--revision", default=None, help="Hub revision of MODEL.")
+    v.add_argument("--host", default="0.0.0.0")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--tensor-parallel-size", type=int, default=1)
+    v.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    v.add_argument("--max-model-len", type=int, default=None)
+    v.add_argument("--max-lora-rank", type=int, default=None, help="--lora-backend vllm: vLLM's max_lora_rank.")
+    v.add_argument("--enforce-eager", action="store_true", help="No torch.compile / CUDA graphs.")
+    v.add_argument("--print-only", action="store_true", help="Print the command and exit.")
 
     pu = sub.add_parser(
         "push",
@@ -297,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command not in ("train", "compare") and rest:
+    if args.command not in ("train", "compare", "vllm-serve") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "push" and args.what == "adapter" and not args.base_repo:
         parser.error("push adapter needs --base-repo (the Hub repo of the NVFP4 base it was trained on)")
@@ -308,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args, rest)
         if args.command == "push":
             return _cmd_push(args)
+        if args.command == "vllm-serve":
+            return _cmd_vllm_serve(args, rest)
         if args.command == "compare":
             return _cmd_compare(["--help"] if "--help-options" in rest else rest)
         return _cmd_demo(args)

@@ -22,7 +22,8 @@ from ...vllm_plugin.server_spec import WORKER_EXTENSION
 from .compile_cache import compile_cache_marker
 from .lora_rules import vllm_max_lora_rank
 
-__all__ = ["ServerRequirements", "requirements_for_checkpoint", "serve_command", "serve_hint"]
+__all__ = ["POLICY_LORA_NAME", "ServerRequirements", "requirements_for_checkpoint", "serve_command", "serve_hint",
+           "vllm_serve_command"]
 
 #: the adapter name a server with vLLM's LoRA serves the policy under (``vllm_lora_backend="vllm"``)
 POLICY_LORA_NAME = "qerl-policy"
@@ -60,6 +61,7 @@ def _structure_model(config: Any):
             setattr(cfg, key, value)
     if hasattr(cfg, "quantization_config"):
         delattr(cfg, "quantization_config")
+    cfg.pad_token_id = None  # may lie outside the tiny vocabulary
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
@@ -144,3 +146,51 @@ def serve_command(
 def serve_hint(checkpoint: str, req: ServerRequirements) -> str:
     """The ``qerl-trl vllm-serve`` command line that serves what ``req`` asks for."""
     return shlex.join(["qerl-trl", "vllm-serve", checkpoint, *req.cli_options()])
+
+
+def _local_nvfp4_checkpoint(model: str, revision: str | None = None) -> str:
+    """The local directory of ``model`` (a Hub id is downloaded, as vLLM would), checked to be NVFP4A16."""
+    from ...model_source import check_model_source
+    from ..nvfp4_cache import is_nvfp4a16_config
+
+    check_model_source(model)
+    path = os.path.expanduser(model)
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(model, revision=revision)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    if not is_nvfp4a16_config(config):
+        raise ValueError(
+            f"{model} is not an NVFP4A16 checkpoint. The server and the trainer must share one FP4 base: write it "
+            f"with `qerl-trl quantize {model} NVFP4_DIR`, then run `qerl-trl vllm-serve NVFP4_DIR` and train from "
+            "NVFP4_DIR."
+        )
+    return path
+
+
+def vllm_serve_command(
+    model: str,
+    *,
+    lora_backend: str = "qerl",
+    lora_r: int = 32,
+    lora_target_modules: list[str] | str = "all-linear",
+    aqn: bool = True,
+    fp4_kernel: str = "auto",
+    revision: str | None = None,
+    **server_options: Any,
+) -> tuple[list[str], dict[str, str], ServerRequirements]:
+    """What ``qerl-trl vllm-serve`` runs: ``(argv, environment additions, requirements)`` for serving ``model`` (an
+    NVFP4A16 checkpoint) to trainers with this LoRA and AQN setting. ``server_options``: :func:`serve_command`'s."""
+    from .fp4_kernel_choice import require_humming_if_forced, resolve_fp4_kernel
+
+    if isinstance(lora_target_modules, (list, tuple)) and len(lora_target_modules) == 1:
+        lora_target_modules = lora_target_modules[0] if lora_target_modules[0] == "all-linear" else list(
+            lora_target_modules)
+    require_humming_if_forced(fp4_kernel)
+    path = _local_nvfp4_checkpoint(model, revision)
+    req = requirements_for_checkpoint(path, lora_backend, lora_r, lora_target_modules, aqn)
+    kernel = resolve_fp4_kernel(fp4_kernel, lora_backend, path, server_options.get("tensor_parallel_size", 1)).kernel
+    argv, env = serve_command(path, req, kernel, **server_options)
+    return argv, env, req
