@@ -220,7 +220,8 @@ def _reward(completions, **kwargs):
     return [float(zlib.crc32(t.encode()) % 1000) / 1000.0 for t in texts]
 
 
-def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int = 1):
+def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int = 1, overrides: dict | None = None):
+    """The arm's trainer; ``overrides``: further QeRLGRPOConfig options of a QeRL arm (multi_gpu.py's server mode)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -267,9 +268,9 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
     if spec.arm in QERL_ARMS:
         from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
 
-        args = QeRLGRPOConfig(**common, lora_r=LORA_R, lora_alpha=LORA_ALPHA, aqn=True,
-                              nvfp4_cache_dir=os.path.join(work, "qerl-cache"),
-                              vllm_lora_backend=QERL_ARMS[spec.arm])
+        args = QeRLGRPOConfig(**{**common, "lora_r": LORA_R, "lora_alpha": LORA_ALPHA, "aqn": True,
+                                 "nvfp4_cache_dir": os.path.join(work, "qerl-cache"),
+                                 "vllm_lora_backend": QERL_ARMS[spec.arm], **(overrides or {})})
         return QeRLGRPOTrainer(model=paths["nvfp4"], reward_funcs=_reward, args=args, train_dataset=dataset,
                                processing_class=tok)
     from trl import GRPOConfig, GRPOTrainer

@@ -1,15 +1,19 @@
-"""QeRL GRPO steps on one GPU, data-parallel on two (DDP x2), and with tensor-parallel rollouts (TP=2) (issue #14).
+"""QeRL GRPO steps on one GPU, data-parallel on two (DDP x2), with tensor-parallel rollouts (TP=2), and in server
+mode (a ``qerl-trl vllm-serve`` server on the second GPU, the trainer on the first) (issues #14, #39).
 
     python benchmarks/multi_gpu.py --work /tmp/qerl-mg --out-dir benchmarks/results   # every mode -> multi_gpu-<gpu>x<n>.json
-    python benchmarks/multi_gpu.py --modes ddp2 --size 7b
+    python benchmarks/multi_gpu.py --modes 1gpu ddp2 --size 7b
 
 Each mode is one ``torchrun`` job whose ranks each build ``benchmarks/e2e_step.py``'s QeRL arm (random Qwen2.5
-weights in NVFP4A16, AQN on, LoRA r32 on every linear, vLLM colocate, one engine per rank or one TP=2 engine per
-pair) and train ``--steps`` steps. Every rank records its step, rollout and sync times, its GPU's peak memory (NVML)
-and what must agree across ranks (:func:`attach_rank_recorder`): a hash of each round's AQN-noised norms, a hash
-of the LoRA after each optimizer step, and vLLM's log-prob gap to the trainer on each round. The row of a mode:
-``{mode, gpus, processes, tp, step_s, rollout_s, sync_s, peak_gib_per_gpu, checks, status}``, medians over the
-steps after the first, the slowest rank's. A mode that fails (an OOM, a vLLM limit) is a row with its status.
+weights in NVFP4A16, AQN on, LoRA r32 on every linear; vLLM colocate with one engine per rank or one TP=2 engine per
+pair, or the server) and train ``--steps`` steps. Every rank records its step, rollout and sync times, the
+completion tokens it trained on, its GPU's peak memory (NVML) and what must agree across ranks
+(:func:`attach_rank_recorder`): a hash of each round's AQN-noised norms, a hash of the LoRA after each optimizer
+step, and vLLM's log-prob gap to the trainer on each round; in server mode also what the server read each round and
+its FP4 base checksum before and after (:func:`attach_server_recorder`). The row of a mode: ``{mode, gpus,
+processes, tp, step_s, rollout_s, sync_s, tokens_per_s, tokens_per_s_vs_1gpu, peak_gib_per_gpu, checks, status}``,
+medians over the steps after the first, the slowest rank's (tokens: all ranks'). A mode that fails (an OOM, a vLLM
+limit) is a row with its status. The result file is rewritten after every mode, so a cut-off run keeps its rows.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -29,8 +35,10 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-#: mode -> (processes, vllm_tensor_parallel_size)
-MODES = {"1gpu": (1, 1), "ddp2": (2, 1), "tp2": (2, 2)}
+#: mode -> (trainer processes, vllm_tensor_parallel_size); "server": one trainer process and a server on another GPU
+MODES = {"1gpu": (1, 1), "ddp2": (2, 1), "tp2": (2, 2), "server": (1, 1)}
+#: GPUs a mode needs
+MODE_GPUS = {"1gpu": 1, "ddp2": 2, "tp2": 2, "server": 2}
 #: vLLM's log-prob gap to the trainer on noise-free rounds, nats/token (the colocate check's tolerance)
 GAP_TOLERANCE = 0.05
 
@@ -75,8 +83,25 @@ def attach_rank_recorder(trainer, write) -> None:
     trainer.add_callback(RankRecorder())
 
 
+def attach_server_recorder(trainer, write) -> None:
+    """Server mode, main process: ``{"event": "base", "when": "before", "checksums"}`` now (each server worker's
+    checksum of its FP4 base) and ``{"event": "sync", "step", "digest_ok", "adapter_root_ok"}`` after each round's
+    sync (the server read the file the trainer wrote / serves the adapter directory the trainer wrote last)."""
+    sync = trainer.vllm_generation.server_sync
+    write(event="base", when="before", checksums=sync.base_checksums())
+    original = sync.sync
+
+    def recorded_sync(model, norms):
+        last = original(model, norms)
+        write(event="sync", step=int(trainer.state.global_step), digest_ok=last.get("digest_ok"),
+              adapter_root_ok=last.get("adapter_root_ok"))  # fmt: skip
+        return last
+
+    sync.sync = recorded_sync
+
+
 # ------------------------------------------------------------------------------------------ one rank (worker)
-def run_rank(spec, work: str, steps: int, tp: int, out_dir: str) -> None:
+def run_rank(spec, work: str, steps: int, tp: int, out_dir: str, overrides: dict | None = None) -> None:
     """Train on this rank and write ``out_dir/rank<R>.json``: timings, peak memory, the recorder's events."""
     import torch
     from transformers import TrainerCallback
@@ -92,9 +117,20 @@ def run_rank(spec, work: str, steps: int, tp: int, out_dir: str) -> None:
     mem = e2e._PeakMemory(device_index=local)
     t0 = time.perf_counter()
     try:
-        trainer = e2e.build_trainer(spec, work, steps, tp=tp)
+        trainer = e2e.build_trainer(spec, work, steps, tp=tp, overrides=overrides)
         result["init_s"] = round(time.perf_counter() - t0, 1)
         attach_rank_recorder(trainer, lambda **row: events.append(row))
+        if (overrides or {}).get("vllm_mode") == "server" and trainer.accelerator.is_main_process:
+            attach_server_recorder(trainer, lambda **row: events.append(row))
+        tokens = [0]
+        generate = trainer._generate
+
+        def counted_generate(prompts):
+            out = generate(prompts)
+            tokens[0] += sum(len(c) for c in out[1])  # the completions this rank trains on
+            return out
+
+        trainer._generate = counted_generate
         gen = getattr(trainer, "vllm_generation", None) if spec.generation == "vllm" else None
         sync_t = e2e._Timed(gen, "sync_weights") if gen is not None else None
         roll_t = e2e._Timed(gen, "generate") if gen is not None else e2e._Timed(trainer, "_generate_single_turn")
@@ -108,13 +144,17 @@ def run_rank(spec, work: str, steps: int, tp: int, out_dir: str) -> None:
             def on_step_end(self, args, state, control, **kw):
                 e2e._sync()
                 per_step.append(dict(step_s=time.perf_counter() - self.t, rollout_s=roll_t.take(),
-                                     sync_s=sync_t.take() if sync_t else 0.0))  # fmt: skip
+                                     sync_s=sync_t.take() if sync_t else 0.0, tokens=tokens[0]))  # fmt: skip
+                tokens[0] = 0
 
         trainer.add_callback(StepTimer())
         mem.start()
         trainer.train()
         result["peak_gib"] = round(mem.stop(), 2)
         result["per_step"] = per_step
+        if (overrides or {}).get("vllm_mode") == "server" and trainer.accelerator.is_main_process:
+            events.append({"event": "base", "when": "after",
+                           "checksums": trainer.vllm_generation.server_sync.base_checksums()})  # fmt: skip
         result["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - a failure is a row
         mem.stop()
@@ -137,6 +177,9 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
     for key in ("step_s", "rollout_s", "sync_s"):
         medians = [statistics.median(s[key] for s in (r["per_step"][1:] or r["per_step"])) for r in ranks]
         row[key] = round(max(medians), 3)
+    steady = [r["per_step"][1:] or r["per_step"] for r in ranks]
+    row["tokens_per_s"] = round(sum(statistics.median(s.get("tokens", 0) for s in st) for st in steady)
+                                / row["step_s"], 1)  # fmt: skip
     row["init_s"] = max(r["init_s"] for r in ranks)
     row["peak_gib_per_gpu"] = [r["peak_gib"] for r in sorted(ranks, key=lambda r: r["rank"])]
 
@@ -154,6 +197,13 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
         "noise_free_logprob_gap_per_rank": [round(max(c), 4) if c else None for c in clean],
     }
     checks["noise_free_logprob_gap_ok"] = all(c and max(c) <= GAP_TOLERANCE for c in clean) if any(gaps) else None
+    if mode == "server":
+        main = ranks[0] if ranks[0]["rank"] == 0 else next(r for r in ranks if r["rank"] == 0)
+        syncs = events(main, "sync")
+        read = [s["digest_ok"] if s["digest_ok"] is not None else s["adapter_root_ok"] for s in syncs]
+        checks["server_served_latest_lora_every_round"] = len(read) == steps and all(read)
+        base = {b["when"]: b["checksums"] for b in events(main, "base")}
+        checks["server_fp4_base_untouched"] = bool(base.get("before")) and base.get("before") == base.get("after")
     row["checks"] = checks
     passed = [v for k, v in checks.items() if isinstance(v, bool)]
     row["status"] = "ok" if all(passed) else "check_failed: " + ", ".join(
@@ -161,7 +211,39 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
     return row
 
 
-def run_mode(mode: str, spec, work: str, steps: int, timeout: float) -> dict:
+def start_server(spec, work: str, gpu: int, fp4_kernel: str, log_path: str) -> tuple[subprocess.Popen, str]:
+    """``qerl-trl vllm-serve`` on GPU ``gpu`` for this spec's QeRL arm; returns the process and its URL."""
+    from benchmarks import e2e_step as e2e
+    from qerl_trl.trainer.vllm_serving.server_command import vllm_serve_command
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv, env, _ = vllm_serve_command(
+        e2e.checkpoint_paths(work, spec.size)["nvfp4"], lora_backend=e2e.QERL_ARMS[spec.arm], lora_r=e2e.LORA_R,
+        fp4_kernel=fp4_kernel, host="127.0.0.1", port=port, gpu_memory_utilization=0.85,
+        max_model_len=e2e.PROMPT_TOKENS + spec.completion_len + 16,
+        extra=["--max-num-seqs", str(spec.prompts * spec.generations), "--max-num-batched-tokens", "4096"],
+    )  # fmt: skip
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until stop_server
+    proc = subprocess.Popen(argv, env={**os.environ, **env, "CUDA_VISIBLE_DEVICES": str(gpu)}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (vLLM's engine processes too), SIGKILL after 30 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel: str = "auto") -> dict:
     from benchmarks._child import run_child
 
     processes, tp = MODES[mode]
@@ -172,12 +254,25 @@ def run_mode(mode: str, spec, work: str, steps: int, timeout: float) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    overrides: dict[str, Any] = {"vllm_fp4_kernel": fp4_kernel}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    server = None
+    if mode == "server":  # the server on GPU 1 starts while the trainer loads on GPU 0 (its client waits for it)
+        server, url = start_server(spec, work, 1, fp4_kernel, os.path.join(work, "server.log"))
+        overrides.update(vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=timeout)
+        env["CUDA_VISIBLE_DEVICES"] = "0"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
            str(port), __file__, "--worker", json.dumps(dataclasses.asdict(spec)), "--work", work, "--steps",
-           str(steps), "--tp", str(tp), "--rank-dir", out_dir]  # fmt: skip
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    res = run_child(cmd, timeout, env=env)
+           str(steps), "--tp", str(tp), "--rank-dir", out_dir, "--overrides", json.dumps(overrides)]  # fmt: skip
+    try:
+        res = run_child(cmd, timeout, env=env)
+    finally:
+        if server is not None:
+            stop_server(server)
     timed_out, log = res.timed_out, res.log
+    if server is not None:
+        with open(os.path.join(work, "server.log"), errors="replace") as f:
+            log = log + "\n--- server ---\n" + f.read()[-4000:]
     ranks = []
     for name in sorted(os.listdir(out_dir)):
         with open(os.path.join(out_dir, name)) as f:
@@ -200,8 +295,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--completion-len", type=int, default=512)
     ap.add_argument("--generation", default="vllm", choices=["vllm", "hf"], help="hf: the CPU smoke test")
-    ap.add_argument("--arm", default="qerl", choices=["qerl", "qerl_single_lora"],
-                    help="QeRL with vLLM's LoRA adapters, or with its single-LoRA vLLM method (see e2e_step.py)")
+    ap.add_argument("--arm", default="qerl_single_lora", choices=["qerl", "qerl_single_lora"],
+                    help="QeRL with its in-layer LoRA (vllm_lora_backend='qerl', the default), or with vLLM's LoRA "
+                    "adapters ('qerl'; names as in e2e_step.py)")
+    ap.add_argument("--fp4-kernel", default="auto", choices=["auto", "humming", "marlin"],
+                    help="vllm_fp4_kernel of every mode (marlin: no Humming compile on a fresh machine)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--work", default="/tmp/qerl-mg")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
@@ -209,12 +307,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
     from benchmarks import e2e_step as e2e
 
     if a.worker:
-        run_rank(e2e.RowSpec(**json.loads(a.worker)), a.work, a.steps, a.tp, a.rank_dir)
+        run_rank(e2e.RowSpec(**json.loads(a.worker)), a.work, a.steps, a.tp, a.rank_dir, json.loads(a.overrides))
         return []
     import torch
 
@@ -225,22 +324,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"checkpoint ready: {prep}", flush=True)
     rows = []
     gpus = torch.cuda.device_count()
-    for mode in a.modes:
-        if MODES[mode][0] > max(gpus, 1) and a.generation == "vllm":
-            rows.append({"mode": mode, "gpus": MODES[mode][0], "status": f"not_run: needs {MODES[mode][0]} GPUs, "
-                         f"this machine has {gpus}"})  # fmt: skip
-        else:
-            rows.append(run_mode(mode, spec, a.work, a.steps, a.timeout))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("log_tail", "traceback")}), flush=True)
-    env = result_envelope("multi_gpu", rows, "python benchmarks/multi_gpu.py " + " ".join(argv or sys.argv[1:]))
     tag = gpu_tag()
     os.makedirs(a.out_dir, exist_ok=True)
     name = f"multi_gpu-{tag}x{gpus}" if tag != "cpu" else "multi_gpu-cpu"
-    path = os.path.join(a.out_dir, name + ("" if a.arm == "qerl" else f"-{a.arm}") + ".json")
-    with open(path, "w") as f:
-        json.dump(env, f, indent=1, default=str)
+    path = os.path.join(a.out_dir, name + ("" if a.arm == "qerl_single_lora" else f"-{a.arm}") + ".json")
+    command = "python benchmarks/multi_gpu.py " + " ".join(argv or sys.argv[1:])
+    for mode in a.modes:
+        if MODE_GPUS[mode] > max(gpus, 1) and a.generation == "vllm":
+            rows.append({"mode": mode, "gpus": MODE_GPUS[mode], "status": f"not_run: needs {MODE_GPUS[mode]} GPUs, "
+                         f"this machine has {gpus}"})  # fmt: skip
+        else:
+            rows.append(run_mode(mode, spec, a.work, a.steps, a.timeout, a.fp4_kernel))
+        rows[-1]["gpus"] = MODE_GPUS[mode]
+        add_speedups(rows)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("log_tail", "traceback")}), flush=True)
+        with open(path, "w") as f:  # after every mode: a run cut off by its time limit keeps its rows
+            json.dump(result_envelope("multi_gpu", rows, command), f, indent=1, default=str)
     print(f"wrote {path}")
     return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """``tokens_per_s_vs_1gpu`` on every measured row: its completion tokens/s over the ``1gpu`` row's (same call)."""
+    base = next((r for r in rows if r["mode"] == "1gpu" and r.get("tokens_per_s")), None)
+    for r in rows:
+        if base is not None and r.get("tokens_per_s"):
+            r["tokens_per_s_vs_1gpu"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ PARTS: dict[str, tuple[list[str], str]] = {
     # the 32B memory step took 9.5 min with its checkpoint's write at aa48af6: the write is its own part, run first
     "checkpoint_32b": (["tests/test_checkpoint_32b.py"], "writes and checks the 32B NVFP4 checkpoint"),
     "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step on the checkpoint above"),
+    "server": (["tests/test_server_mode_gpu.py"], "qerl-trl vllm-serve + a server-mode trainer, both LoRA backends "
+               "(one GPU shared, or the server on the second)"),
     "multi_gpu": (["tests/test_multi_gpu.py"], "DDP and TP=2 jobs, both LoRA backends: needs 2 GPUs"),
 }
 

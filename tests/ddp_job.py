@@ -4,9 +4,11 @@ Run under a launcher (``torchrun --nproc_per_node 2`` or ``accelerate launch --n
 JSON lines to ``OUT/rank<R>.jsonl``:
 
 the events of ``benchmarks.multi_gpu.attach_rank_recorder`` (AQN noise, LoRA and, with vLLM, the log-prob gap
-of each round), then ``{"event": "done", "global_step", "max_steps"}``.
+of each round), in server mode those of ``attach_server_recorder`` (each sync, the base checksums before and after),
+then ``{"event": "done", "global_step", "max_steps"}``.
 
-Used by ``tests/test_ddp.py`` (CPU, gloo) and ``tests/test_multi_gpu.py`` (2 GPUs, NCCL, vLLM colocate).
+Used by ``tests/test_ddp.py`` (CPU, gloo), ``tests/test_multi_gpu.py`` (2 GPUs, NCCL, vLLM colocate) and
+``tests/test_server_mode_gpu.py`` (one process against a ``qerl-trl vllm-serve`` server).
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ def main() -> None:
     p.add_argument("--use_vllm", action="store_true")
     p.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
     p.add_argument("--vllm_lora_backend", default="qerl", choices=["qerl", "vllm"])
+    p.add_argument("--vllm_mode", default="colocate", choices=["colocate", "server"])
+    p.add_argument("--server_url", default=None, help="vllm_mode=server: the `qerl-trl vllm-serve` server")
+    p.add_argument("--lora_r", type=int, default=8)
     p.add_argument("--cache_dir", default=None)
     p.add_argument("--cache_only", action="store_true", help="only prepare vLLM's NVFP4 checkpoint in --cache_dir")
     a = p.parse_args()
 
     import torch
 
-    from benchmarks.multi_gpu import attach_rank_recorder
+    from benchmarks.multi_gpu import attach_rank_recorder, attach_server_recorder
     from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
     from qerl_trl.study.tasks import TASKS
 
@@ -55,8 +60,8 @@ def main() -> None:
         max_completion_length=4,
         learning_rate=1e-3,
         lr_scheduler_type="constant",
-        lora_r=8,
-        lora_alpha=16,
+        lora_r=a.lora_r,
+        lora_alpha=2 * a.lora_r,
         aqn=True,
         aqn_num_stages=2,
         logging_steps=1,
@@ -66,7 +71,9 @@ def main() -> None:
         use_cpu=not cuda,
         bf16=cuda,
         use_vllm=a.use_vllm,
-        vllm_mode="colocate",
+        vllm_mode=a.vllm_mode,
+        vllm_server_base_url=a.server_url,
+        vllm_server_timeout=600,
         vllm_gpu_memory_utilization=0.3,
         vllm_tensor_parallel_size=a.vllm_tensor_parallel_size,
         vllm_lora_backend=a.vllm_lora_backend,
@@ -104,7 +111,11 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
 
     attach_rank_recorder(trainer, write)
+    if a.vllm_mode == "server" and trainer.accelerator.is_main_process:
+        attach_server_recorder(trainer, write)
     trainer.train(resume_from_checkpoint=a.resume)
+    if a.vllm_mode == "server" and trainer.accelerator.is_main_process:
+        write(event="base", when="after", checksums=trainer.vllm_generation.server_sync.base_checksums())
     write(event="done", global_step=int(trainer.state.global_step), max_steps=int(trainer.state.max_steps))
 
 

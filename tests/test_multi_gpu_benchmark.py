@@ -40,8 +40,8 @@ def _rank(rank, lora_shas, gaps=(0.01, 0.02), status="ok"):
     events = [{"event": "aqn", "step": i, "sigma": 0.0 if i < 2 else 0.01, "sha": f"n{i}"} for i in range(3)]
     events += [{"event": "lora", "step": i + 1, "sha": s} for i, s in enumerate(lora_shas)]
     events += [{"event": "gap", "step": i + 1, "gap": g, "nan_fraction": 0.0} for i, g in enumerate([*gaps, 0.3])]
-    per_step = [{"step_s": 2.0, "rollout_s": 1.0, "sync_s": 0.1}, {"step_s": 1.0 + rank, "rollout_s": 0.5,
-                                                                    "sync_s": 0.1}] * 2  # fmt: skip
+    per_step = [{"step_s": 2.0, "rollout_s": 1.0, "sync_s": 0.1, "tokens": 100},
+                {"step_s": 1.0 + rank, "rollout_s": 0.5, "sync_s": 0.1, "tokens": 100}] * 2  # fmt: skip
     return {"rank": rank, "status": status, "events": events, "per_step": per_step, "init_s": 60.0, "peak_gib": 30.0}
 
 
@@ -53,3 +53,24 @@ def test_a_mode_row_takes_the_slowest_rank_and_says_which_check_failed():
     assert drift["status"] == "check_failed: lora_same_on_every_rank, noise_free_logprob_gap_ok"
     failed = mg.summarize_mode("tp2", [_rank(0, ["a"] * 3, status="failed: ValueError: no TP with LoRA")], steps=3)
     assert failed["status"] == "failed: ValueError: no TP with LoRA"
+
+
+def test_a_server_row_says_whether_the_server_served_each_round_and_kept_its_base():
+    rank0 = _rank(0, ["a", "b", "c"])
+    rank0["events"] += [{"event": "base", "when": "before", "checksums": ["x"]},
+                        *({"event": "sync", "step": i, "digest_ok": True, "adapter_root_ok": None} for i in range(3)),
+                        {"event": "base", "when": "after", "checksums": ["x"]}]  # fmt: skip
+    ok = mg.summarize_mode("server", [rank0], steps=3)
+    assert ok["status"] == "ok" and ok["checks"]["server_served_latest_lora_every_round"]
+    assert ok["checks"]["server_fp4_base_untouched"]
+    rank0["events"][-1] = {"event": "base", "when": "after", "checksums": ["y"]}
+    assert mg.summarize_mode("server", [rank0], 3)["status"] == "check_failed: server_fp4_base_untouched"
+
+
+def test_tokens_per_s_sums_the_ranks_and_compares_with_one_gpu():
+    one = mg.summarize_mode("1gpu", [_rank(0, ["a", "b", "c"])], steps=3)
+    two = mg.summarize_mode("ddp2", [_rank(0, ["a", "b", "c"]), _rank(1, ["a", "b", "c"])], steps=3)
+    assert one["tokens_per_s"] == 100.0 and two["tokens_per_s"] == 100.0  # 200 tokens a step in 2.0 s
+    rows = [one, two, {"mode": "tp2", "status": "failed"}]
+    mg.add_speedups(rows)
+    assert two["tokens_per_s_vs_1gpu"] == 1.0 and "tokens_per_s_vs_1gpu" not in rows[2]
