@@ -46,11 +46,11 @@ def apply_round(model: nn.Module, lora: Mapping, scaling: float, norms: Mapping,
 
 
 def base_checksum(model: nn.Module, skip: set[str] = frozenset()) -> str:
-    """A checksum of every tensor of the served model except LoRA buffers and ``skip`` (the AQN norms, which change
-    every round): equal before and after training means the FP4 base was never written."""
+    """A checksum of every parameter of the served model (the packed FP4 weights and their scales, embeddings, the
+    LM head) except LoRA tensors and ``skip`` (the AQN norms, which change every round): equal before and after
+    training means the base was never written. Buffers are left out: kernels keep scratch there."""
     h = hashlib.sha256()
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    for name, t in sorted(tensors, key=lambda nt: nt[0]):
+    for name, t in sorted(model.named_parameters(), key=lambda nt: nt[0]):
         if "lora" in name or name in skip or t.numel() == 0:
             continue
         flat = t.detach().contiguous().view(-1).view(torch.uint8)
