@@ -39,8 +39,12 @@ sys.path.insert(0, REPO)
 MODES = {"1gpu": (1, 1), "ddp2": (2, 1), "tp2": (2, 2), "server": (1, 1)}
 #: GPUs a mode needs
 MODE_GPUS = {"1gpu": 1, "ddp2": 2, "tp2": 2, "server": 2}
-#: vLLM's log-prob gap to the trainer on noise-free rounds, nats/token (the colocate check's tolerance)
+#: vLLM's log-prob gap to the trainer on noise-free rounds, nats/token: the colocate check's tolerance, set on
+#: SmolLM2 (measured 0.03-0.04 there). Random 7B weights sampled at temperature 1 measure 0.059 on one GPU
+#: (multi_gpu-h100x2.json), so a mode is judged against the one-GPU row of the same call when there is one:
 GAP_TOLERANCE = 0.05
+#: a mode's gap may exceed the same call's one-GPU gap by this factor plus GAP_SLACK (run-to-run spread)
+GAP_VS_1GPU, GAP_SLACK = 1.10, 0.005
 
 
 def _sha(tensors) -> str:
@@ -196,6 +200,7 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
         "lora_trained": len({x["sha"] for x in lora[0]}) == steps,
         "noise_free_logprob_gap_per_rank": [round(max(c), 4) if c else None for c in clean],
     }
+    # judged against GAP_TOLERANCE here, against the same call's one-GPU row by judge_rows()
     checks["noise_free_logprob_gap_ok"] = all(c and max(c) <= GAP_TOLERANCE for c in clean) if any(gaps) else None
     if mode == "server":
         main = ranks[0] if ranks[0]["rank"] == 0 else next(r for r in ranks if r["rank"] == 0)
@@ -205,10 +210,14 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
         base = {b["when"]: b["checksums"] for b in events(main, "base")}
         checks["server_fp4_base_untouched"] = bool(base.get("before")) and base.get("before") == base.get("after")
     row["checks"] = checks
-    passed = [v for k, v in checks.items() if isinstance(v, bool)]
-    row["status"] = "ok" if all(passed) else "check_failed: " + ", ".join(
-        k for k, v in checks.items() if v is False)
+    _set_status(row)
     return row
+
+
+def _set_status(row: dict) -> None:
+    checks = row["checks"]
+    passed = [v for v in checks.values() if isinstance(v, bool)]
+    row["status"] = "ok" if all(passed) else "check_failed: " + ", ".join(k for k, v in checks.items() if v is False)
 
 
 def start_server(spec, work: str, gpu: int, fp4_kernel: str, log_path: str) -> tuple[subprocess.Popen, str]:
@@ -317,7 +326,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     import torch
 
-    from benchmarks._common import gpu_tag, result_envelope
+    from benchmarks._common import git_commit, gpu_name, gpu_tag, result_envelope
 
     spec = e2e.RowSpec(a.size, a.arm, a.prompts, a.generations, a.completion_len, sleep=False, generation=a.generation)
     prep = e2e.prepare_checkpoints(a.work, a.size, need_bf16=False)
@@ -335,8 +344,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          f"this machine has {gpus}"})  # fmt: skip
         else:
             rows.append(run_mode(mode, spec, a.work, a.steps, a.timeout, a.fp4_kernel))
-        rows[-1]["gpus"] = MODE_GPUS[mode]
-        add_speedups(rows)
+        rows[-1].update(gpus=MODE_GPUS[mode], commit=git_commit(), gpu=gpu_name())
+        judge_rows(rows)
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("log_tail", "traceback")}), flush=True)
         with open(path, "w") as f:  # after every mode: a run cut off by its time limit keeps its rows
             json.dump(result_envelope("multi_gpu", rows, command), f, indent=1, default=str)
@@ -344,12 +353,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def add_speedups(rows: list[dict]) -> None:
-    """``tokens_per_s_vs_1gpu`` on every measured row: its completion tokens/s over the ``1gpu`` row's (same call)."""
+def judge_rows(rows: list[dict]) -> None:
+    """Against the same call's ``1gpu`` row: ``tokens_per_s_vs_1gpu`` (completion tokens/s over one GPU's) on every
+    measured row, and the log-prob gap verdict: a mode serves the trained policy as well as one GPU does when its
+    largest noise-free gap is at most ``GAP_VS_1GPU`` x one GPU's plus ``GAP_SLACK`` (``1gpu`` itself keeps the
+    absolute ``GAP_TOLERANCE``; so does every mode of a call without a ``1gpu`` row). Statuses follow."""
     base = next((r for r in rows if r["mode"] == "1gpu" and r.get("tokens_per_s")), None)
+    base_gaps = [g for g in (base or {}).get("checks", {}).get("noise_free_logprob_gap_per_rank", []) if g is not None]
     for r in rows:
-        if base is not None and r.get("tokens_per_s"):
-            r["tokens_per_s_vs_1gpu"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+        if base is None or not r.get("tokens_per_s"):
+            continue
+        r["tokens_per_s_vs_1gpu"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+        gaps = r["checks"].get("noise_free_logprob_gap_per_rank") or []
+        if r is not base and base_gaps and gaps and None not in gaps:
+            limit = round(max(base_gaps) * GAP_VS_1GPU + GAP_SLACK, 4)
+            r["checks"]["noise_free_logprob_gap_limit"] = limit
+            r["checks"]["noise_free_logprob_gap_ok"] = max(gaps) <= limit
+            _set_status(r)
 
 
 if __name__ == "__main__":

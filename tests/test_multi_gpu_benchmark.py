@@ -72,5 +72,18 @@ def test_tokens_per_s_sums_the_ranks_and_compares_with_one_gpu():
     two = mg.summarize_mode("ddp2", [_rank(0, ["a", "b", "c"]), _rank(1, ["a", "b", "c"])], steps=3)
     assert one["tokens_per_s"] == 100.0 and two["tokens_per_s"] == 100.0  # 200 tokens a step in 2.0 s
     rows = [one, two, {"mode": "tp2", "status": "failed"}]
-    mg.add_speedups(rows)
+    mg.judge_rows(rows)
     assert two["tokens_per_s_vs_1gpu"] == 1.0 and "tokens_per_s_vs_1gpu" not in rows[2]
+
+
+def test_a_modes_logprob_gap_is_judged_against_one_gpu_in_the_same_call():
+    """Random 7B weights measure 0.059 on one GPU: a mode with the same gap is as good as one GPU; one that serves
+    a stale or wrong policy (far larger gap) is not. One GPU itself keeps the absolute 0.05."""
+    one = mg.summarize_mode("1gpu", [_rank(0, ["a", "b", "c"], gaps=(0.059, 0.058))], steps=3)
+    same = mg.summarize_mode("ddp2", [_rank(r, ["a", "b", "c"], gaps=(0.0596, 0.059)) for r in (0, 1)], steps=3)
+    worse = mg.summarize_mode("ddp2", [_rank(r, ["a", "b", "c"], gaps=(0.2, 0.059)) for r in (0, 1)], steps=3)
+    assert same["status"].startswith("check_failed") and worse["status"].startswith("check_failed")  # vs 0.05
+    mg.judge_rows([one, same, worse])
+    assert one["status"] == "check_failed: noise_free_logprob_gap_ok"  # above the absolute 0.05
+    assert same["status"] == "ok" and same["checks"]["noise_free_logprob_gap_limit"] == 0.0699
+    assert worse["status"] == "check_failed: noise_free_logprob_gap_ok"

@@ -243,7 +243,12 @@ def test_the_vllm_backend_loads_each_round_as_the_servers_adapter(stand_in, tmp_
     path = server.adapters[POLICY_LORA_NAME]
     assert sync.sync(policy, None)["adapter_root_ok"] and server.adapters[POLICY_LORA_NAME] != path
     loads = [b for p, b in server.calls if p == "/v1/load_lora_adapter"]
-    assert [b["load_inplace"] for b in loads] == [True, True] and os.listdir(tmp_path) == []
+    assert [b["load_inplace"] for b in loads] == [True, True]
+    # vLLM reads the files again when it moves the adapter into a GPU slot: the served round's directory stays (the
+    # server died at its next request when it was removed right after the load), the one before is removed
+    assert os.listdir(tmp_path) == [os.path.basename(server.adapters[POLICY_LORA_NAME])]
+    sync.close()
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("described,expected", [
@@ -323,3 +328,16 @@ def test_the_engine_casts_the_norms_its_config_lists_and_its_workers_describe_th
     assert d["fp32_norms"] == ["norm.weight"] and d["in_layer_lora"] is None and d["can_read_probe"]
     assert d["vllm_lora"] == {"max_lora_rank": 32, "max_loras": 1} and d["runtime_lora_updating"] is True
     assert not Worker().qerl_describe(str(tmp_path / "missing"))["can_read_probe"]
+
+
+def test_round_files_of_trainers_that_are_gone_are_removed_at_the_next_check(stand_in, tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    (tmp_path / f"qerl-lora-{dead.pid}-3-abc").mkdir()
+    (tmp_path / f"qerl-round-{dead.pid}.safetensors").write_bytes(b"")
+    (tmp_path / f"qerl-lora-{os.getpid()}-1-xyz").mkdir()  # a live trainer's
+    (tmp_path / "user-file").write_text("")
+    ServerSync(stand_in(_described()).url, REQ, str(tmp_path), "c").check()
+    assert sorted(os.listdir(tmp_path)) == [f"qerl-lora-{os.getpid()}-1-xyz", "user-file"]

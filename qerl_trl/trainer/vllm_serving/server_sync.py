@@ -45,6 +45,7 @@ class ServerSync:
         self.timeout = timeout
         self.session = requests.Session()  # no retries: a refused RPC is a setup problem, not a transient one
         self.rounds = 0
+        self._adapter_dir: str | None = None  # the directory of the adapter the server serves (backend "vllm")
         self.last: dict[str, Any] = {}  # what the newest sync saw: "digest_ok", "adapter_root_ok", counts
 
     # -- transport ----------------------------------------------------------------------------------------------
@@ -110,9 +111,29 @@ class ServerSync:
                        "directory both the trainer and the server see (the default /dev/shm works on one host)")  # fmt: skip
         return out
 
+    def remove_stale(self) -> list[str]:
+        """Remove round directories and files in the sync directory left by trainer processes that are gone."""
+        removed = []
+        for name in os.listdir(self.sync_dir):
+            parts = name.split("-")
+            if name.startswith(("qerl-lora-", "qerl-round-")) and len(parts) > 2 and parts[2].split(".")[0].isdigit():
+                pid = int(parts[2].split(".")[0])
+                try:
+                    os.kill(pid, 0)
+                    continue  # alive (or not ours to signal): keep
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    continue
+                path = os.path.join(self.sync_dir, name)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+                removed.append(name)
+        return removed
+
     def check(self) -> None:
         """Refuse, before any step, a server that cannot serve this trainer's policy."""
         os.makedirs(self.sync_dir, exist_ok=True)
+        self.remove_stale()
         fd, probe = tempfile.mkstemp(prefix="qerl-probe-", dir=self.sync_dir)
         os.close(fd)
         try:
@@ -159,6 +180,9 @@ class ServerSync:
             raise RuntimeError(f"The vLLM server read another round file than the one written ({results}).")
 
     def _load_adapter(self, model: nn.Module) -> None:
+        """vLLM's runtime LoRA loading. The engine reads the adapter's files again whenever the adapter is (re)loaded
+        into a GPU slot, not only in ``/v1/load_lora_adapter`` (a server whose round directory was removed right after
+        the load died at the next request, 7160c43), so each round's directory stays until the next one is loaded."""
         path = tempfile.mkdtemp(prefix=f"qerl-lora-{os.getpid()}-{self.rounds}-", dir=self.sync_dir)
         try:
             write_adapter_dir(path, peft_to_vllm_lora_tensors(model), model.peft_config["default"])
@@ -167,10 +191,21 @@ class ServerSync:
             if r.status_code != 200:
                 raise RuntimeError(f"The vLLM server refused the adapter ({r.status_code}): {r.text[:500]}")
             cards = self.session.get(f"{self.base_url}/v1/models", timeout=self.timeout).json()["data"]
-        finally:
+        except BaseException:
             shutil.rmtree(path, ignore_errors=True)
+            raise
+        self.close()  # the previous round's directory: the server now serves this one
+        self._adapter_dir = path
         served = [c for c in cards if c.get("id") == POLICY_LORA_NAME]
         self.last["adapter_root_ok"] = bool(served) and served[0].get("root") == path
+
+    def close(self) -> None:
+        """Remove the adapter directory the server serves from (``vllm_lora_backend="vllm"``). Not called when
+        training ends: the server may still be asked for the adapter, and vLLM's engine dies on a missing file. A
+        later trainer removes directories left by processes that are gone (:meth:`remove_stale`)."""
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
 
     def base_checksums(self) -> list[str]:
         """Each worker's checksum of its served model without the LoRA and the AQN norms (the FP4 base)."""
