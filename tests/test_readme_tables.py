@@ -107,3 +107,21 @@ def test_the_step_table_is_the_json_rows_of_the_runs_it_names():
         assert _close(rollout, row["rollout_s"]) and _close(sync, row["sync_s"]) and _close(rest, row["train_s"])
         assert _close(NUMBER.findall(cells[5])[0], row["peak_gib"]), (run, arm, cells[5], row["peak_gib"])
         assert _close(NUMBER.findall(cells[6])[0], row["speedup_vs_trl_bf16"]), (run, arm, cells[6])
+
+
+def test_the_multi_gpu_table_is_the_committed_rows():
+    """Issue #39: README's several-GPU table is ``multi_gpu-h100x2.json`` (one device call), row by row."""
+    modes = {"one GPU, colocate": "1gpu", "DDP x2, colocate": "ddp2",
+             "server (trainer GPU 0, server GPU 1)": "server"}  # fmt: skip
+    rows = {r["mode"]: r for r in _rows("multi_gpu-h100x2.json")}
+    (_, header, body), = _tables("| layout |")
+    assert header[:6] == ["layout", "GPUs", "step (s)", "completion tokens/s", "vs one GPU", "peak GiB per GPU"]
+    assert len(body) == 3
+    for cells in body:
+        row = rows[modes[cells[0]]]
+        assert int(cells[1]) == row["gpus"], cells
+        assert _close(cells[2], row["step_s"]) and _close(cells[3], row["tokens_per_s"]), (cells, row)
+        assert _close(cells[4].rstrip("x"), row["tokens_per_s_vs_1gpu"]), (cells, row)
+        assert _close(NUMBER.search(cells[5]).group(), row["peak_gib_per_gpu"][0]), (cells, row)
+    assert rows["ddp2"]["checks"]["lora_same_on_every_rank"] and rows["ddp2"]["checks"]["aqn_same_on_every_rank"]
+    assert rows["server"]["checks"]["server_fp4_base_untouched"]
