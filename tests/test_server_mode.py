@@ -16,7 +16,6 @@ import torch
 from qerl_trl.trainer.vllm_serving.server_command import (
     POLICY_LORA_NAME,
     ServerRequirements,
-    requirements_for_checkpoint,
     vllm_serve_command,
 )
 from qerl_trl.trainer.vllm_serving.server_sync import ServerSetupError, ServerSync

@@ -7,7 +7,9 @@
 - :mod:`.fp4_kernel_choice`: the engine's FP4 kernel (Humming or Marlin) on this machine;
 - :mod:`.fp32_norms`: AQN's float32 norms inside vLLM; :mod:`.compile_cache`: the compile-cache key for them;
 - :mod:`.serving_spec`, :mod:`.serving_llm`, :mod:`.generation`: what the engine serves, the proxy TRL calls, and
-  TRL's ``VLLMGeneration`` subclass with the swap that makes ``GRPOTrainer`` build it.
+  TRL's ``VLLMGeneration`` subclass with the swap that makes ``GRPOTrainer`` build it;
+- server mode (``vllm_mode="server"``): :mod:`.server_command` (what ``qerl-trl vllm-serve`` starts, and what a
+  trainer needs from a server) and :mod:`.server_sync` (the trainer's check of the server and its per-round sync).
 
 Nothing here imports vLLM at import time.
 """
