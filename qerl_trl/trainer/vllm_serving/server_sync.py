@@ -62,7 +62,7 @@ class ServerSync:
                 f"VLLM_SERVER_DEV_MODE=1. Start it with:\n    {self.hint}"
             )
         if r.status_code != 200:
-            if method in r.text or "AttributeError" in r.text or r.status_code == 500:
+            if method == "qerl_describe":  # the first call: a server without the extension fails it
                 raise ServerSetupError(
                     f"The vLLM server at {self.base_url} failed {method}() ({r.status_code}: {r.text[:300]}). A server "
                     "not started by qerl-trl has no QeRL worker extension (--worker-extension-cls "
