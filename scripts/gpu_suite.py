@@ -7,7 +7,8 @@
 Every GPU test belongs to exactly one part (``tests/test_gpu_suite.py`` checks it on CPU), so running every part
 at one commit is running the whole suite there. A part runs pytest with ``-m "gpu or vllm"`` and its files. Run them
 in the order listed on one machine: ``real_shape_32b`` reuses the checkpoint ``checkpoint_32b`` writes under
-``$QERL_E2E_WORK`` (alone, it writes it first and takes longer).
+``$QERL_E2E_WORK`` (alone, it writes it first and takes longer). The ``server`` part and ``benchmarks/multi_gpu.py``'s
+server mode start ``vllm serve``, which needs the wheels of ``scripts/gpu-serve-wheels.txt`` in the device bundle.
 """
 
 from __future__ import annotations
