@@ -93,7 +93,8 @@ class QeRLServerWorker:
             "vllm_lora": None if lora_config is None else {"max_lora_rank": int(lora_config.max_lora_rank),
                                                            "max_loras": int(lora_config.max_loras)},  # fmt: skip
             "runtime_lora_updating": bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING),
-            "fp32_norms": sorted(n for n in self._qerl_fp32_norms() if n in params and params[n].dtype == torch.float32),
+            "fp32_norms": sorted(n for n in self._qerl_fp32_norms()
+                                 if n in params and params[n].dtype == torch.float32),  # fmt: skip
             "can_read_probe": bool(probe_path) and os.path.isfile(probe_path),
             "tp_rank": int(getattr(self, "rank", 0)),
         }

@@ -8,8 +8,9 @@ stays frozen inside vLLM and only the LoRA (and AQN's norms) move:
   ``_init_vllm`` (build the one colocated ``LLM`` on the NVFP4A16 checkpoint, with the LoRA backend's engine
   arguments; in server mode, connect to a server started by ``qerl-trl vllm-serve`` and check it, see
   :mod:`.server_sync`) and ``sync_weights`` (the backend syncs the LoRA, then the AQN-noised norms, then the prefix
-  cache is reset; in server mode the same through the server). TRL's ``generate`` is reused unchanged; the engine it calls is a ``LoRAServingLLM`` proxy that adds
-  ``lora_request=`` and maps sleep level 2 (which TRL 1.16 hard-codes, and which breaks LoRA) to level 1.
+  cache is reset; in server mode the same through the server). TRL's ``generate`` is reused unchanged; the engine
+  it calls is a ``LoRAServingLLM`` proxy that adds ``lora_request=`` and maps sleep level 2 (which TRL 1.16
+  hard-codes, and which breaks LoRA) to level 1.
 * ``swap_trl_vllm_generation`` swaps the ``VLLMGeneration`` name that ``trl.trainer.grpo_trainer`` instantiates in
   ``GRPOTrainer.__init__``, so only one engine is ever built.
 """
@@ -147,7 +148,8 @@ def make_qerl_vllm_generation_class():
                 raise RuntimeError(errors[0])
 
         def _sync_server(self) -> None:
-            """Server mode: the main process sends the LoRA (gathered first under ZeRO-3) and the round's norms."""
+            """Server mode: the main process sends the LoRA and the round's norms (inside TRL's ``gather_params``,
+            as the colocated backends do: a no-op without sharded parameters)."""
             with self._dist.gather_params(self.lora_backend.lora_parameters(self.model)):
                 if self.accelerator.is_main_process:
                     self.server_sync.sync(self.model, self.pending_norms)
