@@ -172,6 +172,9 @@ class StandIn:
                     assert files == ["adapter_config.json", "adapter_model.safetensors"], files
                     outer.adapters[body["lora_name"]] = body["lora_path"]
                     return self._reply(200, "Success")
+                if self.path == "/v1/unload_lora_adapter":
+                    del outer.adapters[body["lora_name"]]
+                    return self._reply(200, "Success")
                 return self._reply(404, {"detail": "Not Found"})
 
             def _rpc(self, body):
@@ -239,13 +242,16 @@ def test_the_vllm_backend_loads_each_round_as_the_servers_adapter(stand_in, tmp_
     sync.check()
     first = sync.sync(policy, {n: torch.ones(64) for n in REQ.fp32_norms})
     assert first["adapter_root_ok"] and first["digest_ok"] and first["norms"] == [2]
-    path = server.adapters[POLICY_LORA_NAME]
-    assert sync.sync(policy, None)["adapter_root_ok"] and server.adapters[POLICY_LORA_NAME] != path
+    assert sync.served_name == f"{POLICY_LORA_NAME}-1" and list(server.adapters) == [sync.served_name]
+    assert sync.sync(policy, None)["adapter_root_ok"]
+    # a new name each round, the previous one unloaded: load_inplace=True would make vLLM re-read the files on every
+    # request, and its prefix cache is keyed on the name
+    assert sync.served_name == f"{POLICY_LORA_NAME}-2" and list(server.adapters) == [sync.served_name]
     loads = [b for p, b in server.calls if p == "/v1/load_lora_adapter"]
-    assert [b["load_inplace"] for b in loads] == [True, True]
-    # vLLM reads the files again when it moves the adapter into a GPU slot: the served round's directory stays (the
+    assert [b["load_inplace"] for b in loads] == [False, False]
+    # vLLM reads the files again when the adapter comes back into its cache: the served round's directory stays (the
     # server died at its next request when it was removed right after the load), the one before is removed
-    assert os.listdir(tmp_path) == [os.path.basename(server.adapters[POLICY_LORA_NAME])]
+    assert os.listdir(tmp_path) == [os.path.basename(server.adapters[sync.served_name])]
     sync.close()
     assert os.listdir(tmp_path) == []
 

@@ -153,10 +153,8 @@ def make_qerl_vllm_generation_class():
             with self._dist.gather_params(self.lora_backend.lora_parameters(self.model)):
                 if self.accelerator.is_main_process:
                     self.server_sync.sync(self.model, self.pending_norms)
-                    if self.serving.lora_backend == "vllm":
-                        from .server_command import POLICY_LORA_NAME
-
-                        self.vllm_client.model = POLICY_LORA_NAME  # TRL's requests name the served model
+                    if self.server_sync.served_name is not None:  # vLLM's adapters: this round's adapter
+                        self.vllm_client.model = self.server_sync.served_name  # TRL's requests name the model
                     self.vllm_client.reset_prefix_cache()
             self.pending_norms = None
 

@@ -46,6 +46,7 @@ class ServerSync:
         self.session = requests.Session()  # no retries: a refused RPC is a setup problem, not a transient one
         self.rounds = 0
         self._adapter_dir: str | None = None  # the directory of the adapter the server serves (backend "vllm")
+        self.served_name: str | None = None  # the name requests must give to get that adapter (backend "vllm")
         self.last: dict[str, Any] = {}  # what the newest sync saw: "digest_ok", "adapter_root_ok", counts
 
     # -- transport ----------------------------------------------------------------------------------------------
@@ -180,23 +181,28 @@ class ServerSync:
             raise RuntimeError(f"The vLLM server read another round file than the one written ({results}).")
 
     def _load_adapter(self, model: nn.Module) -> None:
-        """vLLM's runtime LoRA loading. The engine reads the adapter's files again whenever the adapter is (re)loaded
-        into a GPU slot, not only in ``/v1/load_lora_adapter`` (a server whose round directory was removed right after
-        the load died at the next request, 7160c43), so each round's directory stays until the next one is loaded."""
+        """vLLM's runtime LoRA loading, under a new name each round (``qerl-policy-<round>``), as TRL's
+        ``AsyncGRPOTrainer`` does: ``load_inplace=True`` would make vLLM 0.24 re-read the adapter from disk on every
+        request (vllm-project/vllm#41482), and its prefix cache is keyed on the adapter's name. The previous name is
+        unloaded. A round's directory stays until the next round's adapter is loaded: vLLM reads the files again
+        whenever the adapter comes back into its cache (a server whose directory was removed right after the load
+        died at the next request, 7160c43)."""
+        name = f"{POLICY_LORA_NAME}-{self.rounds}"
         path = tempfile.mkdtemp(prefix=f"qerl-lora-{os.getpid()}-{self.rounds}-", dir=self.sync_dir)
         try:
             write_adapter_dir(path, peft_to_vllm_lora_tensors(model), model.peft_config["default"])
-            r = self._post("/v1/load_lora_adapter",
-                           {"lora_name": POLICY_LORA_NAME, "lora_path": path, "load_inplace": True})  # fmt: skip
+            r = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": False})
             if r.status_code != 200:
                 raise RuntimeError(f"The vLLM server refused the adapter ({r.status_code}): {r.text[:500]}")
             cards = self.session.get(f"{self.base_url}/v1/models", timeout=self.timeout).json()["data"]
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
+        if self.served_name is not None:
+            self._post("/v1/unload_lora_adapter", {"lora_name": self.served_name})
         self.close()  # the previous round's directory: the server now serves this one
-        self._adapter_dir = path
-        served = [c for c in cards if c.get("id") == POLICY_LORA_NAME]
+        self._adapter_dir, self.served_name = path, name
+        served = [c for c in cards if c.get("id") == name]
         self.last["adapter_root_ok"] = bool(served) and served[0].get("root") == path
 
     def close(self) -> None:
