@@ -89,15 +89,15 @@ def attach_rank_recorder(trainer, write) -> None:
 
 def attach_server_recorder(trainer, write) -> None:
     """Server mode, main process: ``{"event": "base", "when": "before", "checksums"}`` now (each server worker's
-    checksum of its FP4 base) and ``{"event": "sync", "step", "digest_ok", "adapter_root_ok"}`` after each round's
-    sync (the server read the file the trainer wrote / serves the adapter directory the trainer wrote last)."""
+    checksum of its FP4 base) and ``{"event": "sync", "step", "read_ok", "adapter_root_ok"}`` after each round's
+    sync (the server read this round's file / serves the adapter directory the trainer wrote last)."""
     sync = trainer.vllm_generation.server_sync
     write(event="base", when="before", checksums=sync.base_checksums())
     original = sync.sync
 
     def recorded_sync(model, norms):
         last = original(model, norms)
-        write(event="sync", step=int(trainer.state.global_step), digest_ok=last.get("digest_ok"),
+        write(event="sync", step=int(trainer.state.global_step), read_ok=last.get("read_ok"),
               adapter_root_ok=last.get("adapter_root_ok"))  # fmt: skip
         return last
 
@@ -205,7 +205,7 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
     if mode == "server":
         main = ranks[0] if ranks[0]["rank"] == 0 else next(r for r in ranks if r["rank"] == 0)
         syncs = events(main, "sync")
-        read = [s["digest_ok"] if s["digest_ok"] is not None else s["adapter_root_ok"] for s in syncs]
+        read = [s["read_ok"] if s["read_ok"] is not None else s["adapter_root_ok"] for s in syncs]
         checks["server_served_latest_lora_every_round"] = len(read) == steps and all(read)
         base = {b["when"]: b["checksums"] for b in events(main, "base")}
         checks["server_fp4_base_untouched"] = bool(base.get("before")) and base.get("before") == base.get("after")

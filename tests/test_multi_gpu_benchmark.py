@@ -58,7 +58,7 @@ def test_a_mode_row_takes_the_slowest_rank_and_says_which_check_failed():
 def test_a_server_row_says_whether_the_server_served_each_round_and_kept_its_base():
     rank0 = _rank(0, ["a", "b", "c"])
     rank0["events"] += [{"event": "base", "when": "before", "checksums": ["x"]},
-                        *({"event": "sync", "step": i, "digest_ok": True, "adapter_root_ok": None} for i in range(3)),
+                        *({"event": "sync", "step": i, "read_ok": True, "adapter_root_ok": None} for i in range(3)),
                         {"event": "base", "when": "after", "checksums": ["x"]}]  # fmt: skip
     ok = mg.summarize_mode("server", [rank0], steps=3)
     assert ok["status"] == "ok" and ok["checks"]["server_served_latest_lora_every_round"]

@@ -19,7 +19,7 @@ from qerl_trl.trainer.vllm_serving.server_command import (
     vllm_serve_command,
 )
 from qerl_trl.trainer.vllm_serving.server_sync import ServerSetupError, ServerSync
-from qerl_trl.vllm_plugin.server_spec import SYNC_PROTOCOL, read_round, round_tensors, tensors_digest, write_round
+from qerl_trl.vllm_plugin.server_spec import SYNC_PROTOCOL, read_round, round_tensors, write_round
 from test_examples import tiny_checkpoint
 
 
@@ -100,9 +100,9 @@ def test_the_round_file_carries_the_lora_and_the_norms(tmp_path):
     lora = {"model.layers.0.self_attn.q_proj": (torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(16, 4))}
     norms = {"model.layers.0.input_layernorm.weight": torch.randn(8)}
     tensors = round_tensors(lora, norms)
-    write_round(str(tmp_path / "r.safetensors"), tensors, scaling=2.0)
-    got_lora, scaling, got_norms, digest = read_round(str(tmp_path / "r.safetensors"))
-    assert scaling == 2.0 and digest == tensors_digest(tensors) and list(os.listdir(tmp_path)) == ["r.safetensors"]
+    write_round(str(tmp_path / "r.safetensors"), tensors, scaling=2.0, round_id="7-abc")
+    got_lora, scaling, got_norms, round_id = read_round(str(tmp_path / "r.safetensors"))
+    assert scaling == 2.0 and round_id == "7-abc" and list(os.listdir(tmp_path)) == ["r.safetensors"]
     a, b = got_lora["model.layers.0.self_attn.q_proj"]
     assert torch.equal(a, lora["model.layers.0.self_attn.q_proj"][0]) and torch.equal(b, lora[
         "model.layers.0.self_attn.q_proj"][1])  # fmt: skip
@@ -137,8 +137,8 @@ def test_a_round_lands_in_place_and_a_stray_lora_is_refused():
 class StandIn:
     """vLLM 0.24's endpoints as QeRL's server mode uses them, answered the way its workers would."""
 
-    def __init__(self, described: list[dict], dev_mode: bool = True, extension: bool = True):
-        self.described, self.dev_mode, self.extension = described, dev_mode, extension
+    def __init__(self, described: list[dict], dev_mode: bool = True, extension: bool = True, stale: bool = False):
+        self.described, self.dev_mode, self.extension, self.stale = described, dev_mode, extension, stale
         self.calls: list[tuple[str, dict]] = []
         self.adapters: dict[str, str] = {}
         outer = self
@@ -185,9 +185,10 @@ class StandIn:
                     return self._reply(200, {"results": [{**d, "can_read_probe": d.get("can_read_probe", True)
                                                           and os.path.isfile(args[0])} for d in outer.described]})
                 if method == "qerl_load_round":
-                    lora, _, norms, digest = read_round(args[0])
+                    lora, _, norms, round_id = read_round(args[0])
                     return self._reply(200, {"results": [{"lora_layers": len(lora), "norms": len(norms),
-                                                          "digest": digest}] * len(outer.described)})
+                                                          "round": "0-old" if outer.stale else round_id}]
+                                             * len(outer.described)})  # fmt: skip
                 return self._reply(500, {"error": f"no method {method}"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -222,7 +223,7 @@ def stand_in():
         s.close()
 
 
-def test_a_server_that_serves_the_policy_passes_and_each_round_lands_with_its_digest(stand_in, tmp_path, policy):
+def test_a_server_that_serves_the_policy_passes_and_each_round_lands_and_is_read(stand_in, tmp_path, policy):
     from qerl_trl.trainer.vllm_serving import peft_lora_modules
 
     server = stand_in(_described(), _described(tp_rank=1))
@@ -231,8 +232,15 @@ def test_a_server_that_serves_the_policy_passes_and_each_round_lands_with_its_di
     sync.check()
     norms = {n: torch.randn(64) for n in REQ.fp32_norms}
     last = sync.sync(policy, norms)
-    assert last["digest_ok"] and last["lora_layers"] == [len(peft_lora_modules(policy)[0])] * 2
+    assert last["read_ok"] and last["lora_layers"] == [len(peft_lora_modules(policy)[0])] * 2
     assert last["norms"] == [2, 2] and os.listdir(tmp_path) == []  # the round file is removed after the load
+
+
+def test_a_server_that_read_another_round_file_stops_the_sync(stand_in, tmp_path, policy):
+    sync = ServerSync(stand_in(_described(), stale=True).url, ServerRequirements("qerl", 8, REQ.lora_targets, ()),
+                      str(tmp_path), "c")  # fmt: skip
+    with pytest.raises(RuntimeError, match="read another round file"):
+        sync.sync(policy, None)
 
 
 def test_the_vllm_backend_loads_each_round_as_the_servers_adapter(stand_in, tmp_path, policy):
@@ -241,7 +249,7 @@ def test_the_vllm_backend_loads_each_round_as_the_servers_adapter(stand_in, tmp_
     sync = ServerSync(server.url, ServerRequirements("vllm", 8, REQ.lora_targets, REQ.fp32_norms), str(tmp_path), "c")
     sync.check()
     first = sync.sync(policy, {n: torch.ones(64) for n in REQ.fp32_norms})
-    assert first["adapter_root_ok"] and first["digest_ok"] and first["norms"] == [2]
+    assert first["adapter_root_ok"] and first["read_ok"] and first["norms"] == [2]
     assert sync.served_name == f"{POLICY_LORA_NAME}-1" and list(server.adapters) == [sync.served_name]
     assert sync.sync(policy, None)["adapter_root_ok"]
     # a new name each round, the previous one unloaded: load_inplace=True would make vLLM re-read the files on every

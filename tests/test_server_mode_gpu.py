@@ -90,7 +90,7 @@ def test_training_against_the_server_serves_the_trained_lora_and_never_writes_th
     run = records[0]
     syncs = by_event(run, "sync")
     assert len(syncs) == 4, log
-    assert all((s["digest_ok"] if backend == "qerl" else s["adapter_root_ok"]) for s in syncs), syncs
+    assert all((s["read_ok"] if backend == "qerl" else s["adapter_root_ok"]) for s in syncs), syncs
     base = {b["when"]: b["checksums"] for b in by_event(run, "base")}
     assert base["before"] and base["before"] == base["after"], base
     aqn = by_event(run, "aqn")

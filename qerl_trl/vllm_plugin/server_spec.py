@@ -2,23 +2,24 @@
 
 The round file: one safetensors file per generation round with ``lora_a.<module>`` / ``lora_b.<module>`` (vLLM's
 module names, full unsharded tensors) and ``norm.<parameter>`` (AQN's noised norms), the LoRA scaling and the sync
-protocol in its metadata. The trainer writes it (:func:`write_round`), every worker reads it (:func:`read_round`).
+protocol in its metadata, and the round's id: each worker returns the id it read, which shows it read this round's
+file without hashing hundreds of MB on the sync path. The trainer writes it (:func:`write_round`), every worker reads
+it (:func:`read_round`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["SYNC_PROTOCOL", "WORKER_EXTENSION", "read_round", "round_tensors", "tensors_digest", "write_round"]
+__all__ = ["SYNC_PROTOCOL", "WORKER_EXTENSION", "read_round", "round_tensors", "write_round"]
 
 #: the ``--worker-extension-cls`` value
 WORKER_EXTENSION = "qerl_trl.vllm_plugin.server_worker.QeRLServerWorker"
 #: bumped when the round file or the RPC methods change; the trainer refuses a server that speaks another version
-SYNC_PROTOCOL = 1
+SYNC_PROTOCOL = 2
 
 
 def round_tensors(
@@ -35,7 +36,7 @@ def round_tensors(
 
 
 def read_round(path: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float, dict[str, torch.Tensor], str]:
-    """``(lora, scaling, norms, digest)`` from a round file written by the trainer."""
+    """``(lora, scaling, norms, round id)`` from a round file written by the trainer."""
     from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
@@ -49,23 +50,14 @@ def read_round(path: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
     lora = {k.removeprefix("lora_a."): (v, tensors[f"lora_b.{k.removeprefix('lora_a.')}"])
             for k, v in tensors.items() if k.startswith("lora_a.")}  # fmt: skip
     norms = {k.removeprefix("norm."): v for k, v in tensors.items() if k.startswith("norm.")}
-    return lora, float(meta.get("scaling", 1.0)), norms, tensors_digest(tensors)
+    return lora, float(meta.get("scaling", 1.0)), norms, meta.get("round", "")
 
 
-def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """A short SHA-256 of names, dtypes, shapes and bytes: the trainer and the server compare what was sent."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
-
-
-def write_round(path: str, tensors: Mapping[str, torch.Tensor], scaling: float) -> None:
+def write_round(path: str, tensors: Mapping[str, torch.Tensor], scaling: float, round_id: str) -> None:
     """Write the round file atomically (a reader never sees half a file): a temporary name, then a rename."""
     from safetensors.torch import save_file
 
     tmp = f"{path}.tmp-{os.getpid()}"
-    save_file(dict(tensors), tmp, metadata={"protocol": str(SYNC_PROTOCOL), "scaling": repr(float(scaling))})
+    meta = {"protocol": str(SYNC_PROTOCOL), "scaling": repr(float(scaling)), "round": round_id}
+    save_file(dict(tensors), tmp, metadata=meta)
     os.replace(tmp, path)

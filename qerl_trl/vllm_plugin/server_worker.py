@@ -100,14 +100,14 @@ class QeRLServerWorker:
         }
 
     def qerl_load_round(self, path: str) -> dict[str, Any]:
-        """Copy the round file at ``path`` into the model in place; return the counts and the file's digest."""
-        lora, scaling, norms, digest = read_round(path)
+        """Copy the round file at ``path`` into the model in place; return the counts and the round id it read."""
+        lora, scaling, norms, round_id = read_round(path)
         model = self.get_model()  # type: ignore[attr-defined]
         in_layer = any(hasattr(m, "qerl_lora_plan") for m in model.modules())
         landed = apply_round(model, lora, scaling, norms, in_layer)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return {**landed, "digest": digest}
+        return {**landed, "round": round_id}
 
     def qerl_base_checksum(self) -> str:
         """:func:`base_checksum` of this worker's shard of the model."""

@@ -122,14 +122,14 @@ def make_qerl_vllm_generation_class():
             from accelerate.utils import broadcast_object_list
             from trl.generation.vllm_client import VLLMClient
 
-            from .peft_tensors import peft_lora_modules
+            from .peft_tensors import lora_target_leaves
             from .server_command import ServerRequirements
             from .server_sync import ServerSync
 
             accelerator = self.accelerator
             spec = self.serving
-            targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in peft_lora_modules(self.model)[0]}))
-            req = ServerRequirements(spec.lora_backend, int(self.model.peft_config["default"].r), targets,
+            req = ServerRequirements(spec.lora_backend, int(self.model.peft_config["default"].r),
+                                     lora_target_leaves(self.model),
                                      tuple(sorted(spec.fp32_norm_names)))  # fmt: skip
             base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
             error = None

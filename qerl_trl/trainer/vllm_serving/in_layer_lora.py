@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .lora_backend import GatherParams, VLLMLoRABackend
-from .peft_tensors import peft_lora_modules
+from .peft_tensors import lora_target_leaves, peft_lora_modules
 
 __all__ = ["InLayerLoRABackend", "single_lora_engine_kwargs"]
 
@@ -29,7 +29,7 @@ def single_lora_engine_kwargs(checkpoint: str, model: nn.Module, fp4_kernel: str
 
     register(strict=True)
     rank = int(model.peft_config["default"].r)  # not the tensors' shapes: ZeRO-3 shards them to size 0 here
-    targets = {name.rsplit(".", 1)[-1] for name in peft_lora_modules(model)[0]}
+    targets = lora_target_leaves(model)
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
     return {"quantization": QUANT_NAME, "hf_overrides": lora_quantization_overrides(config, rank, targets, fp4_kernel)}

@@ -8,7 +8,7 @@ from torch import nn
 
 from ...vllm_plugin import OTHER_BACKEND_HINT  # the package imports no vLLM
 
-__all__ = ["peft_lora_modules", "peft_to_vllm_lora_tensors"]
+__all__ = ["lora_target_leaves", "peft_lora_modules", "peft_to_vllm_lora_tensors"]
 
 def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
     """The adapter's tensors under the names vLLM's LoRA loader parses (PEFT's saved-adapter names).
@@ -58,3 +58,9 @@ def peft_lora_modules(
         raise ValueError(f"vllm_lora_backend='qerl' serves one LoRA scaling, the model has {sorted(scalings)}. "
                          f"{OTHER_BACKEND_HINT}")  # fmt: skip
     return out, scalings.pop()
+
+
+def lora_target_leaves(model: nn.Module, adapter_name: str = "default") -> tuple[str, ...]:
+    """The leaf names of the modules the LoRA targets (``q_proj``, ``down_proj``, ...), sorted: what QeRL's in-layer
+    LoRA spec names, for a colocated engine, a server, and the trainer's check of a server."""
+    return tuple(sorted({name.rsplit(".", 1)[-1] for name in peft_lora_modules(model, adapter_name)[0]}))

@@ -73,15 +73,14 @@ def requirements_for_checkpoint(
     from transformers import AutoConfig
 
     from ...aqn import find_noise_targets, vllm_param_name
-    from .peft_tensors import peft_lora_modules
+    from .peft_tensors import lora_target_leaves
 
     config = AutoConfig.from_pretrained(checkpoint)
     model = _structure_model(config)
     norms = tuple(sorted(vllm_param_name(t) for t in find_noise_targets(model))) if aqn else ()
     targets = lora_target_modules if isinstance(lora_target_modules, str) else list(lora_target_modules)
     peft_model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules=targets))
-    leaves = tuple(sorted({n.rsplit(".", 1)[-1] for n in peft_lora_modules(peft_model)[0]}))
-    return ServerRequirements(lora_backend, int(lora_r), leaves, norms)
+    return ServerRequirements(lora_backend, int(lora_r), lora_target_leaves(peft_model), norms)
 
 
 def serve_command(

@@ -12,12 +12,13 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...vllm_plugin.server_spec import SYNC_PROTOCOL, round_tensors, tensors_digest, write_round
+from ...vllm_plugin.server_spec import SYNC_PROTOCOL, round_tensors, write_round
 from .adapter_lora import write_adapter_dir
 from .peft_tensors import peft_lora_modules, peft_to_vllm_lora_tensors
 from .server_command import POLICY_LORA_NAME, ServerRequirements, serve_hint
@@ -47,7 +48,7 @@ class ServerSync:
         self.rounds = 0
         self._adapter_dir: str | None = None  # the directory of the adapter the server serves (backend "vllm")
         self.served_name: str | None = None  # the name requests must give to get that adapter (backend "vllm")
-        self.last: dict[str, Any] = {}  # what the newest sync saw: "digest_ok", "adapter_root_ok", counts
+        self.last: dict[str, Any] = {}  # what the newest sync saw: "read_ok", "adapter_root_ok", counts
 
     # -- transport ----------------------------------------------------------------------------------------------
 
@@ -168,16 +169,16 @@ class ServerSync:
 
     def _load_round(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
         path = os.path.join(self.sync_dir, f"qerl-round-{os.getpid()}.safetensors")
-        write_round(path, tensors, scaling)
+        round_id = f"{self.rounds}-{uuid.uuid4().hex}"
+        write_round(path, tensors, scaling, round_id)
         try:
             results = self.rpc("qerl_load_round", path)
         finally:
             os.remove(path)
-        digest = tensors_digest(tensors)
-        self.last.update(digest_ok=all(r.get("digest") == digest for r in results),
+        self.last.update(read_ok=all(r.get("round") == round_id for r in results),
                          lora_layers=[r.get("lora_layers") for r in results],
                          norms=[r.get("norms") for r in results])  # fmt: skip
-        if not self.last["digest_ok"]:
+        if not self.last["read_ok"]:
             raise RuntimeError(f"The vLLM server read another round file than the one written ({results}).")
 
     def _load_adapter(self, model: nn.Module) -> None:
