@@ -1,7 +1,7 @@
 """One benchmark arm in a child process: a fresh CUDA context and vLLM engine for every arm, as a user's run has.
 
 ``run_child`` runs the command with a time limit and kills its whole process group at the limit (a vLLM engine or
-a ``torchrun`` worker left behind would hold the GPU for the next arm). The caller reads what the child wrote; when
+a launcher's worker left behind would hold the GPU for the next arm). The caller reads what the child wrote; when
 it wrote nothing, :attr:`ChildResult.status` says why (timeout, out of memory, exit code) and ``log`` keeps the tail
 of its output: where it stopped (loading, compiling, capturing CUDA graphs).
 """
@@ -10,15 +10,35 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ChildResult", "run_child"]
+__all__ = ["ChildResult", "accelerate_launch", "free_port", "run_child"]
 
 #: characters of a child's output kept for a failed row
 LOG_TAIL = 8000
+#: the accelerate configs users launch the examples with (README, ``examples/grpo_gsm8k.py``)
+ACCELERATE_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                                  "accelerate_configs")  # fmt: skip
+
+
+def free_port() -> int:
+    """A free TCP port for the launcher's rendezvous (torchrun and accelerate do not pick one for port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def accelerate_launch(script: str, args: Sequence[str], processes: int) -> list[str]:
+    """``accelerate launch`` of ``script`` on ``processes`` ranks with the examples' accelerate config, as a user runs
+    the GRPO example: ``multi_gpu.yaml`` (DDP) for several ranks, ``single_gpu.yaml`` for one."""
+    config = "multi_gpu.yaml" if processes > 1 else "single_gpu.yaml"
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ACCELERATE_CONFIGS, config),
+            "--num_processes", str(processes), "--main_process_port", str(free_port()), script, *args]  # fmt: skip
 
 
 @dataclass(frozen=True)

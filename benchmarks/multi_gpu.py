@@ -4,8 +4,8 @@ mode (a ``qerl-trl vllm-serve`` server on the second GPU, the trainer on the fir
     python benchmarks/multi_gpu.py --work /tmp/qerl-mg --out-dir benchmarks/results   # every mode -> multi_gpu-<gpu>x<n>.json
     python benchmarks/multi_gpu.py --modes 1gpu ddp2 --size 7b
 
-Each mode is one ``torchrun`` job whose ranks each build ``benchmarks/e2e_step.py``'s QeRL arm (random Qwen2.5
-weights in NVFP4A16, AQN on, LoRA r32 on every linear; vLLM colocate with one engine per rank or one TP=2 engine per
+Each mode is one ``accelerate launch`` job with the examples' accelerate config (as users launch the GRPO example)
+whose ranks each build ``benchmarks/e2e_step.py``'s QeRL arm (random Qwen2.5 weights in NVFP4A16, AQN on, LoRA r32 on every linear; vLLM colocate with one engine per rank or one TP=2 engine per
 pair, or the server) and train ``--steps`` steps. Every rank records its step, rollout and sync times, the
 completion tokens it trained on, its GPU's peak memory (NVML) and what must agree across ranks
 (:func:`attach_rank_recorder`): a hash of each round's AQN-noised norms, a hash of the LoRA after each optimizer
@@ -253,16 +253,13 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel: str = "auto") -> dict:
-    from benchmarks._child import run_child
+    from benchmarks._child import accelerate_launch, run_child
 
     processes, tp = MODES[mode]
     out_dir = os.path.join(work, f"mode-{mode}")
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(out_dir):
         os.remove(os.path.join(out_dir, name))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     overrides: dict[str, Any] = {"vllm_fp4_kernel": fp4_kernel}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
     server = None
@@ -270,9 +267,9 @@ def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel:
         server, url = start_server(spec, work, 1, fp4_kernel, os.path.join(work, "server.log"))
         overrides.update(vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=timeout)
         env["CUDA_VISIBLE_DEVICES"] = "0"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-           str(port), __file__, "--worker", json.dumps(dataclasses.asdict(spec)), "--work", work, "--steps",
-           str(steps), "--tp", str(tp), "--rank-dir", out_dir, "--overrides", json.dumps(overrides)]  # fmt: skip
+    cmd = accelerate_launch(__file__, ["--worker", json.dumps(dataclasses.asdict(spec)), "--work", work, "--steps",
+                                       str(steps), "--tp", str(tp), "--rank-dir", out_dir, "--overrides",
+                                       json.dumps(overrides)], processes)  # fmt: skip
     try:
         res = run_child(cmd, timeout, env=env)
     finally:

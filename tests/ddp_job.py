@@ -1,6 +1,6 @@
 """A short QeRL GRPO job that records, per rank, what must agree across data-parallel ranks.
 
-Run under a launcher (``torchrun --nproc_per_node 2`` or ``accelerate launch --num_processes 2``); each rank appends
+Run under ``accelerate launch`` (``benchmarks._child.accelerate_launch``: the examples' DDP config); each rank appends
 JSON lines to ``OUT/rank<R>.jsonl``:
 
 the events of ``benchmarks.multi_gpu.attach_rank_recorder`` (AQN noise, LoRA and, with vLLM, the log-prob gap

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks._child import accelerate_launch
 
 pytestmark = pytest.mark.slow
 
@@ -22,16 +22,13 @@ JOB = Path(__file__).with_name("ddp_job.py")
 
 
 def launch(out: Path, *args: str, nproc: int = 2, timeout: float = 600, cpu: bool = True) -> dict[int, list[dict]]:
-    """Run the job on ``nproc`` ranks (CPU ones unless ``cpu=False``); return each rank's records."""
+    """Run the job with ``accelerate launch`` and the examples' DDP config, as users launch the GRPO example, on
+    ``nproc`` ranks (CPU ones, gloo, unless ``cpu=False``); return each rank's records."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if cpu:
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    with socket.socket() as sock:  # a free port for the rendezvous (torchrun does not pick one for port 0)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
-           str(JOB), "--out", str(out), *args]  # fmt: skip
+    cmd = accelerate_launch(str(JOB), ["--out", str(out), *args], nproc)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:

@@ -1,5 +1,5 @@
-"""Two GPUs: ``tests/ddp_job.py`` under ``torchrun --nproc_per_node 2`` with vLLM colocate (one engine per rank) on
-the real SmolLM2-135M-Instruct, quantized to NVFP4 on load. Skips cleanly on a machine with fewer than 2 GPUs."""
+"""Two GPUs: ``tests/ddp_job.py`` under ``accelerate launch --num_processes 2`` (the examples' DDP config) with vLLM
+colocate (one engine per rank, or one TP=2 engine) on the real SmolLM2-135M-Instruct, quantized to NVFP4 on load. Skips cleanly on a machine with fewer than 2 GPUs."""
 
 from __future__ import annotations
 
