@@ -5,15 +5,16 @@ mode (a ``qerl-trl vllm-serve`` server on the second GPU, the trainer on the fir
     python benchmarks/multi_gpu.py --modes 1gpu ddp2 --size 7b
 
 Each mode is one ``accelerate launch`` job with the examples' accelerate config (as users launch the GRPO example)
-whose ranks each build ``benchmarks/e2e_step.py``'s QeRL arm (random Qwen2.5 weights in NVFP4A16, AQN on, LoRA r32 on every linear; vLLM colocate with one engine per rank or one TP=2 engine per
-pair, or the server) and train ``--steps`` steps. Every rank records its step, rollout and sync times, the
-completion tokens it trained on, its GPU's peak memory (NVML) and what must agree across ranks
-(:func:`attach_rank_recorder`): a hash of each round's AQN-noised norms, a hash of the LoRA after each optimizer
-step, and vLLM's log-prob gap to the trainer on each round; in server mode also what the server read each round and
-its FP4 base checksum before and after (:func:`attach_server_recorder`). The row of a mode: ``{mode, gpus,
-processes, tp, step_s, rollout_s, sync_s, tokens_per_s, tokens_per_s_vs_1gpu, peak_gib_per_gpu, checks, status}``,
-medians over the steps after the first, the slowest rank's (tokens: all ranks'). A mode that fails (an OOM, a vLLM
-limit) is a row with its status. The result file is rewritten after every mode, so a cut-off run keeps its rows.
+whose ranks each build ``benchmarks/e2e_step.py``'s QeRL arm (random Qwen2.5 weights in NVFP4A16, AQN on, LoRA r32
+on every linear; vLLM colocate with one engine per rank or one TP=2 engine per pair, or the server) and train
+``--steps`` steps. Every rank records its step, rollout and sync times, the completion tokens it trained on, its
+GPU's peak memory (NVML) and what must agree across ranks (:func:`attach_rank_recorder`): a hash of each round's
+AQN-noised norms, a hash of the LoRA after each optimizer step, and vLLM's log-prob gap to the trainer on each
+round; in server mode also what the server read each round and its FP4 base checksum before and after
+(:func:`attach_server_recorder`). The row of a mode: ``{mode, gpus, processes, tp, step_s, rollout_s, sync_s,
+tokens_per_s, tokens_per_s_vs_1gpu, peak_gib_per_gpu, checks, status}``, medians over the steps after the first, the
+slowest rank's (tokens: all ranks'). A mode that fails (an OOM, a vLLM limit) is a row with its status. The result
+file is rewritten after every mode, so a cut-off run keeps its rows.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--use_vllm", action="store_true")
     p.add_argument("--vllm_tensor_parallel_size", type=int, default=1)
     p.add_argument("--vllm_lora_backend", default="qerl", choices=["qerl", "vllm"])
+    p.add_argument("--vllm_fp4_kernel", default="auto", choices=["auto", "humming", "marlin"])
     p.add_argument("--vllm_mode", default="colocate", choices=["colocate", "server"])
     p.add_argument("--server_url", default=None, help="vllm_mode=server: the `qerl-trl vllm-serve` server")
     p.add_argument("--lora_r", type=int, default=8)
@@ -77,6 +78,7 @@ def main() -> None:
         vllm_gpu_memory_utilization=0.3,
         vllm_tensor_parallel_size=a.vllm_tensor_parallel_size,
         vllm_lora_backend=a.vllm_lora_backend,
+        vllm_fp4_kernel=a.vllm_fp4_kernel,
         nvfp4_cache_dir=a.cache_dir,
     )
     if a.cache_only:  # both ranks start on an empty cache: the checkpoint must be written once, not raced

@@ -144,6 +144,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                     "You passed a PeftModel and a peft_config; pass one of them (the PeftModel's own LoRA is used)."
                 )
             check_architecture(model.get_base_model().config, type(model.get_base_model()).__name__)
+            self._check_vllm_layout(model.get_base_model().config, args)
             self._check_lora_early(check_peft_model(model)[1], args)
             split = split_peft_model(model)
             model, peft_config = split.base, split.lora_config
@@ -156,7 +157,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             set_seed(args.seed)
             model, source_is_nvfp4 = self._load_nvfp4_model(model, args)
         else:
-            self._check_policy(model)
+            self._check_policy(model, args)
             if not has_nvfp4(model):
                 quantize_instance(model, args.nvfp4_modules_to_not_convert)
 
@@ -280,6 +281,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             model_id, revision=kwargs.get("revision"), trust_remote_code=kwargs["trust_remote_code"]
         )
         check_architecture(config)
+        QeRLGRPOTrainer._check_vllm_layout(config, args)
         qc = getattr(config, "quantization_config", None)
         qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
         is_nvfp4 = is_nvfp4a16_config({"quantization_config": qc})
@@ -294,9 +296,20 @@ class QeRLGRPOTrainer(GRPOTrainer):
         return load_nvfp4(model_id, quantization_config=quant, **kwargs), False
 
     @staticmethod
-    def _check_policy(model: nn.Module) -> None:
+    def _check_policy(model: nn.Module, args: QeRLGRPOConfig) -> None:
         base = _base_model(model)
         check_architecture(base.config, type(base).__name__)
+        QeRLGRPOTrainer._check_vllm_layout(base.config, args)
+
+    @staticmethod
+    def _check_vllm_layout(config: Any, args: QeRLGRPOConfig) -> None:
+        """Colocate mode: refuse a ``vllm_tensor_parallel_size`` vLLM cannot shard this model over, or that does not
+        divide the number of processes, before any weight loads (vLLM would refuse it only once the engine starts,
+        after the trainer has loaded the model). Server mode: the server's own setting."""
+        if args.use_vllm and args.vllm_mode == "colocate":
+            from .vllm_serving.parallel_rules import check_tensor_parallel_layout
+
+            check_tensor_parallel_layout(config, args.vllm_tensor_parallel_size, args.world_size)
 
     @staticmethod
     def _server_checkpoint_hint(source: str | None, source_is_nvfp4: bool) -> str:

@@ -182,13 +182,18 @@ def vllm_serve_command(
 ) -> tuple[list[str], dict[str, str], ServerRequirements]:
     """What ``qerl-trl vllm-serve`` runs: ``(argv, environment additions, requirements)`` for serving ``model`` (an
     NVFP4A16 checkpoint) to trainers with this LoRA and AQN setting. ``server_options``: :func:`serve_command`'s."""
+    from transformers import AutoConfig
+
     from .fp4_kernel_choice import require_humming_if_forced, resolve_fp4_kernel
+    from .parallel_rules import check_tensor_parallel_layout
 
     if isinstance(lora_target_modules, (list, tuple)) and len(lora_target_modules) == 1:
         lora_target_modules = lora_target_modules[0] if lora_target_modules[0] == "all-linear" else list(
             lora_target_modules)
     require_humming_if_forced(fp4_kernel)
     path = _local_nvfp4_checkpoint(model, revision)
+    check_tensor_parallel_layout(AutoConfig.from_pretrained(path), server_options.get("tensor_parallel_size", 1),
+                                 option="--tensor-parallel-size")  # fmt: skip
     req = requirements_for_checkpoint(path, lora_backend, lora_r, lora_target_modules, aqn)
     kernel = resolve_fp4_kernel(fp4_kernel, lora_backend, path, server_options.get("tensor_parallel_size", 1)).kernel
     argv, env = serve_command(path, req, kernel, **server_options)
