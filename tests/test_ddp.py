@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from benchmarks._child import accelerate_launch
+from benchmarks._child import accelerate_launch, run_child
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +27,10 @@ def launch(out: Path, *args: str, nproc: int = 2, timeout: float = 600, cpu: boo
     if cpu:
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     cmd = accelerate_launch(str(JOB), ["--out", str(out), *args], nproc)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the {nproc}-rank job did not finish in {timeout} s:\n{stderr[-6000:]}")
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    res = run_child(cmd, timeout, log_path=str(out / "launch.log"), env=env)  # a file: a cut-off call keeps it
+    if res.timed_out:
+        pytest.fail(f"the {nproc}-rank job did not finish in {timeout} s:\n{res.log[-6000:]}")
+    assert res.returncode == 0, res.log
     return {r: [json.loads(x) for x in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(nproc)}
 
 

@@ -75,11 +75,13 @@ def _train(tmp_path, model: str, url: str, backend: str, *extra: str) -> tuple[i
            "--use_vllm", "--vllm_mode", "server", "--server_url", url, "--vllm_lora_backend", backend,
            "--max_steps", "4", "--save_steps", "4", *extra]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "trainer.log", "w") as log:  # a file, not a pipe: a run cut off by its call's limit keeps it
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600).returncode
     records = {}
     if (out / "rank0.jsonl").exists():
         records[0] = [json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()]
-    return res.returncode, records, res.stdout[-3000:] + res.stderr[-5000:]
+    return rc, records, (out / "trainer.log").read_text(errors="replace")[-8000:]
 
 
 def test_training_against_the_server_serves_the_trained_lora_and_never_writes_the_base(server, smollm2_checkpoints,
