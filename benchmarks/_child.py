@@ -33,13 +33,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def accelerate_launch(script: str, args: Sequence[str], processes: int) -> list[str]:
+def accelerate_launch(script: str, args: Sequence[str], processes: int, launcher: Sequence[str] = ()) -> list[str]:
     """``accelerate launch`` of ``script`` on ``processes`` ranks with the examples' accelerate config, as a user runs
-    the GRPO example: ``multi_gpu.yaml`` (DDP) for several ranks, ``single_gpu.yaml`` for one."""
+    the GRPO example: ``multi_gpu.yaml`` (DDP) for several ranks, ``single_gpu.yaml`` for one; ``launcher``: more
+    options of ``accelerate launch`` (e.g. ``--use_fsdp``), which take precedence over the config's."""
     config = "multi_gpu.yaml" if processes > 1 else "single_gpu.yaml"
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             os.path.join(ACCELERATE_CONFIGS, config), "--num_processes", str(processes), "--main_process_port",
-            str(free_port()), script, *args]  # fmt: skip
+            str(free_port()), *launcher, script, *args]  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -12,26 +12,43 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._child import accelerate_launch, run_child
+from benchmarks._child import ChildResult, accelerate_launch, run_child
 
 pytestmark = pytest.mark.slow
 
 JOB = Path(__file__).with_name("ddp_job.py")
 
 
-def launch(out: Path, *args: str, nproc: int = 2, timeout: float = 600, cpu: bool = True) -> dict[int, list[dict]]:
-    """Run the job with ``accelerate launch`` and the examples' DDP config, as users launch the GRPO example, on
-    ``nproc`` ranks (CPU ones, gloo, unless ``cpu=False``); return each rank's records."""
+def run_job(out: Path, *args: str, nproc: int = 2, timeout: float = 600, cpu: bool = True,
+            launcher: tuple[str, ...] = ()) -> ChildResult:  # fmt: skip
+    """Run the job with ``accelerate launch`` and the examples' DDP config (plus ``launcher`` options), as users
+    launch the GRPO example, on ``nproc`` ranks (CPU ones, gloo, unless ``cpu=False``). Its output goes to
+    ``out/launch.log``: a file, so a run cut off by its call's time limit keeps it."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if cpu:
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    cmd = accelerate_launch(str(JOB), ["--out", str(out), *args], nproc)
-    res = run_child(cmd, timeout, log_path=str(out / "launch.log"), env=env)  # a file: a cut-off call keeps it
+    cmd = accelerate_launch(str(JOB), ["--out", str(out), *args], nproc, launcher)
+    res = run_child(cmd, timeout, log_path=str(out / "launch.log"), env=env)
     if res.timed_out:
         pytest.fail(f"the {nproc}-rank job did not finish in {timeout} s:\n{res.log[-6000:]}")
+    return res
+
+
+def launch(out: Path, *args: str, nproc: int = 2, timeout: float = 600, cpu: bool = True) -> dict[int, list[dict]]:
+    """:func:`run_job`, which must succeed; return each rank's records."""
+    res = run_job(out, *args, nproc=nproc, timeout=timeout, cpu=cpu)
     assert res.returncode == 0, res.log
     return {r: [json.loads(x) for x in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(nproc)}
+
+
+def refused_under_fsdp(out: Path, model: str, cpu: bool) -> None:
+    """``accelerate launch --use_fsdp``: every rank stops at the config, with the message naming DDP, before any
+    weight loads (no rank writes a record)."""
+    res = run_job(out, "--model", model, nproc=2, timeout=300, cpu=cpu, launcher=("--use_fsdp",))
+    assert res.returncode != 0, res.log
+    assert "QeRLGRPOTrainer does not train under FSDP" in res.log and "accelerate launch --multi_gpu" in res.log, res.log
+    assert not list(out.glob("rank*.jsonl"))
 
 
 def by_event(records: list[dict], event: str) -> list[dict]:
@@ -70,3 +87,9 @@ def test_vllm_checkpoint_cache_is_written_once_when_two_ranks_start_on_an_empty_
     assert rows[0]["path"] == rows[1]["path"] and sorted(r["written"] for r in rows) == [False, True]
     assert [p.name for p in cache.iterdir()] == [Path(rows[0]["path"]).name]  # no temporary dir left behind
     assert (Path(rows[0]["path"]) / "config.json").is_file()
+
+
+def test_fsdp_is_refused_by_every_rank_before_any_weight_loads(tmp_path):
+    from test_examples import tiny_checkpoint
+
+    refused_under_fsdp(tmp_path / "fsdp", str(tiny_checkpoint(tmp_path / "tiny")), cpu=True)
