@@ -310,7 +310,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--work", default="/tmp/qerl-mg")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mode")
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds per mode, start included: on a fresh machine (no vLLM compile cache) a 14B mode's "
+                    "start and first step took about 290 s on an H200 (multi_gpu-h200x2.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank-dir", default=None, help=argparse.SUPPRESS)
