@@ -27,10 +27,11 @@ def test_the_sizes_users_train_shard_as_vllm_allows(size, allowed):
 
 def test_smollm2_is_refused_at_tp2_naming_the_heads_and_the_sizes_it_allows():
     with pytest.raises(ValueError) as err:
-        check_tensor_parallel_layout(smollm2_135m_config(), 2)
+        check_tensor_parallel_layout(smollm2_135m_config(), 2, world_size=2)
     msg = str(err.value)
     assert "9 attention heads do not split over 2 ranks" in msg and "3 KV heads" in msg
-    assert "Sizes this model allows (up to 8): 1, 3." in msg and "vllm_tensor_parallel_size=1" in msg
+    assert "Sizes this model allows (up to 8): 1, 3. Use one of them, or train" in msg
+    assert "vllm_tensor_parallel_size=1 (one engine per rank" in msg
 
 
 def test_kv_heads_replicate_only_evenly_and_fp4_groups_stay_whole():
@@ -90,5 +91,5 @@ def test_vllm_serve_refuses_a_tensor_parallel_size_the_model_cannot_take(tmp_pat
 
     nvfp4 = quantize_checkpoint(str(tiny_checkpoint(tmp_path / "bf16")), tmp_path / "nvfp4")  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match=r"over --tensor-parallel-size=3: its 4 attention heads.*allows "
-                                         r"\(up to 8\): 1, 2, 4\."):  # fmt: skip
+                                         r"\(up to 8\): 1, 2, 4\. Use one of them\.$"):  # fmt: skip
         vllm_serve_command(str(nvfp4), fp4_kernel="marlin", tensor_parallel_size=3)

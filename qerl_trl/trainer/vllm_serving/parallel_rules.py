@@ -55,7 +55,7 @@ def check_tensor_parallel_layout(config: Any, tensor_parallel_size: int, world_s
                                  option: str = "vllm_tensor_parallel_size") -> None:  # fmt: skip
     """Raise a clear error, before any weight loads, when vLLM cannot shard this model over ``tensor_parallel_size``
     ranks, or (colocate mode: ``world_size`` given) when the size does not divide the number of processes, each
-    group of that many ranks sharing one engine."""
+    group of that many ranks sharing one engine. ``option``: the setting's name as the user wrote it."""
     tp = int(tensor_parallel_size)
     if tp < 1:
         raise ValueError(f"{option} must be at least 1, got {tp}.")
@@ -71,8 +71,9 @@ def check_tensor_parallel_layout(config: Any, tensor_parallel_size: int, world_s
     if problems:
         name = getattr(config, "_name_or_path", None) or type(config).__name__
         allowed = ", ".join(map(str, tensor_parallel_sizes_for(config)))
+        instead = "" if world_size is None else (
+            f", or train on several GPUs with {option}=1 (one engine per rank, `accelerate launch --num_processes N`)")
         raise ValueError(
             f"vLLM cannot shard {name} over {option}={tp}: " + "; ".join(problems) + ". "
-            f"Sizes this model allows (up to 8): {allowed}. Use one of them, or train on several GPUs with "
-            f"{option}=1 (one engine per rank, `accelerate launch --num_processes N`)."
+            f"Sizes this model allows (up to 8): {allowed}. Use one of them{instead}."
         )
