@@ -43,8 +43,8 @@ def launch(out: Path, *args: str, nproc: int = 2, timeout: float = 600, cpu: boo
 
 
 def refused_under_fsdp(out: Path, model: str, cpu: bool) -> None:
-    """``accelerate launch --use_fsdp``: every rank stops at the config, with the message naming DDP, before any
-    weight loads (no rank writes a record)."""
+    """``accelerate launch --use_fsdp``: the job stops at the config, with the message naming DDP, before any weight
+    loads (no rank writes a record)."""
     res = run_job(out, "--model", model, nproc=2, timeout=300, cpu=cpu, launcher=("--use_fsdp",))
     assert res.returncode != 0, res.log
     assert "QeRLGRPOTrainer does not train under FSDP" in res.log, res.log
@@ -90,7 +90,7 @@ def test_vllm_checkpoint_cache_is_written_once_when_two_ranks_start_on_an_empty_
     assert (Path(rows[0]["path"]) / "config.json").is_file()
 
 
-def test_fsdp_is_refused_by_every_rank_before_any_weight_loads(tmp_path):
+def test_fsdp_is_refused_under_accelerate_launch_before_any_weight_loads(tmp_path):
     from test_examples import tiny_checkpoint
 
     refused_under_fsdp(tmp_path / "fsdp", str(tiny_checkpoint(tmp_path / "tiny")), cpu=True)
