@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -224,11 +223,10 @@ def _set_status(row: dict) -> None:
 def start_server(spec, work: str, gpu: int, fp4_kernel: str, log_path: str) -> tuple[subprocess.Popen, str]:
     """``qerl-trl vllm-serve`` on GPU ``gpu`` for this spec's QeRL arm; returns the process and its URL."""
     from benchmarks import e2e_step as e2e
+    from benchmarks._child import free_port
     from qerl_trl.trainer.vllm_serving.server_command import vllm_serve_command
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     argv, env, _ = vllm_serve_command(
         e2e.checkpoint_paths(work, spec.size)["nvfp4"], lora_backend=e2e.QERL_ARMS[spec.arm], lora_r=e2e.LORA_R,
         fp4_kernel=fp4_kernel, host="127.0.0.1", port=port, gpu_memory_utilization=0.85,

@@ -15,19 +15,12 @@ import time
 import pytest
 import torch
 
+from benchmarks._child import free_port
 from test_ddp import by_event
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(params=["qerl", "vllm"])
@@ -36,7 +29,7 @@ def server(request, smollm2_checkpoints, tmp_path):
     import requests
 
     backend = request.param
-    port = _free_port()
+    port = free_port()
     gpu = "1" if torch.cuda.device_count() > 1 else "0"
     cmd = [sys.executable, "-m", "qerl_trl.cli", "vllm-serve", str(smollm2_checkpoints[1]), "--lora-backend", backend,
            "--lora-r", "8", "--fp4-kernel", "marlin", "--host", "127.0.0.1", "--port", str(port),

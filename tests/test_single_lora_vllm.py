@@ -10,7 +10,6 @@ Marked ``vllm``: it needs vLLM. On a GPU machine it runs on CUDA with NCCL (TP=2
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -273,19 +272,15 @@ def _stand_in_humming() -> None:
     QeRLNVFP4LoRAConfig.humming_method = lambda self, layer, prefix: HummingLinearMethod(layer.scheme)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tp_size: int, targets: list[str], mode: str = "plain") -> list:
     pytest.importorskip("vllm")
     if os.environ.get("QERL_VLLM_ON_CPU") != "1" and torch.cuda.device_count() < tp_size:
         pytest.skip(f"needs {tp_size} GPU(s) (or QERL_VLLM_ON_CPU=1 with a vLLM that imports on CPU)")
+    from benchmarks._child import free_port
+
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_job, args=(r, tp_size, port, targets, mode, results)) for r in range(tp_size)]
     for p in procs:
         p.start()
