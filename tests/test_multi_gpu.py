@@ -33,6 +33,8 @@ def test_ddp_two_ranks_vllm_colocate(tmp_path, smollm2_checkpoints, lora_backend
         gaps = by_event(first[r], "gap")
         assert len(gaps) == 4 and all(g["nan_fraction"] == 0 for g in gaps), gaps
         assert all(g["gap"] < 0.15 for g in gaps[:2]), gaps
+    if lora_backend != "qerl":  # resuming restores the trainer's state, whichever backend serves the adapter: the
+        return  # default backend's case covers it (both passed at 8c76223); this saves an engine start of 2-GPU time
     resumed = launch(tmp_path / "resumed", *common, "--resume", str(tmp_path / "run" / "trainer" / "checkpoint-2"),
                      timeout=900, cpu=False)  # fmt: skip
     for r in (0, 1):
