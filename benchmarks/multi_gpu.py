@@ -193,7 +193,8 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
     aqn = [events(r, "aqn") for r in ranks]
     lora = [events(r, "lora") for r in ranks]
     gaps = [events(r, "gap") for r in ranks]
-    clean = [[g["gap"] for g, a in zip(gp, ev, strict=False) if a["sigma"] == 0] for gp, ev in zip(gaps, aqn, strict=True)]
+    clean = [[g["gap"] for g, a in zip(gp, ev, strict=False) if a["sigma"] == 0]
+             for gp, ev in zip(gaps, aqn, strict=True)]  # fmt: skip
     checks = {
         "aqn_same_on_every_rank": all(a == aqn[0] for a in aqn) and len(aqn[0]) == steps,
         "lora_same_on_every_rank": all(x == lora[0] for x in lora) and len(lora[0]) == steps,
@@ -203,7 +204,7 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
     # judged against GAP_TOLERANCE here, against the same call's one-GPU row by judge_rows()
     checks["noise_free_logprob_gap_ok"] = all(c and max(c) <= GAP_TOLERANCE for c in clean) if any(gaps) else None
     if mode == "server":
-        main = ranks[0] if ranks[0]["rank"] == 0 else next(r for r in ranks if r["rank"] == 0)
+        main = next(r for r in ranks if r["rank"] == 0)
         syncs = events(main, "sync")
         read = [s["read_ok"] if s["read_ok"] is not None else s["adapter_root_ok"] for s in syncs]
         checks["server_served_latest_lora_every_round"] = len(read) == steps and all(read)
@@ -309,8 +310,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--work", default="/tmp/qerl-mg")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--timeout", type=float, default=900.0,
-                    help="seconds per mode, start included: on a fresh machine (no vLLM compile cache) a 14B mode's "
-                    "start and first step took about 290 s on an H200 (multi_gpu-h200x2.json)")
+                    help="seconds per mode, start included: on a fresh machine (no vLLM compile cache) a 14B mode "
+                    "got no further than its first step in 300 s on an H200 (multi_gpu-h200x2.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank-dir", default=None, help=argparse.SUPPRESS)

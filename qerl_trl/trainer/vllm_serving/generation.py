@@ -65,12 +65,7 @@ def make_qerl_vllm_generation_class():
 
             if self.mode == "server":
                 return self._connect_server()
-            accelerator = self.accelerator
-            if accelerator.num_processes % self.tensor_parallel_size:
-                raise ValueError(
-                    f"tensor_parallel_size ({self.tensor_parallel_size}) must divide world size "
-                    f"({accelerator.num_processes}) evenly."
-                )
+            accelerator = self.accelerator  # tensor_parallel_size divides the process count: the trainer checked
             if self.tensor_parallel_size > 1:
                 self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
                     [

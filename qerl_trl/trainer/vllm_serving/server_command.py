@@ -192,9 +192,9 @@ def vllm_serve_command(
             lora_target_modules)
     require_humming_if_forced(fp4_kernel)
     path = _local_nvfp4_checkpoint(model, revision)
-    check_tensor_parallel_layout(AutoConfig.from_pretrained(path), server_options.get("tensor_parallel_size", 1),
-                                 option="--tensor-parallel-size")  # fmt: skip
+    tp = server_options.get("tensor_parallel_size", 1)
+    check_tensor_parallel_layout(AutoConfig.from_pretrained(path), tp, option="--tensor-parallel-size")
     req = requirements_for_checkpoint(path, lora_backend, lora_r, lora_target_modules, aqn)
-    kernel = resolve_fp4_kernel(fp4_kernel, lora_backend, path, server_options.get("tensor_parallel_size", 1)).kernel
+    kernel = resolve_fp4_kernel(fp4_kernel, lora_backend, path, tp).kernel
     argv, env = serve_command(path, req, kernel, **server_options)
     return argv, env, req
