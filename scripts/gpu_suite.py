@@ -39,7 +39,8 @@ PARTS: dict[str, tuple[list[str], str]] = {
     "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step on the checkpoint above"),
     "server": (["tests/test_server_mode_gpu.py"], "qerl-trl vllm-serve + a server-mode trainer, both LoRA backends "
                "(one GPU shared, or the server on the second)"),
-    "multi_gpu": (["tests/test_multi_gpu.py"], "DDP and TP=2 jobs, both LoRA backends: needs 2 GPUs"),
+    "multi_gpu": (["tests/test_multi_gpu.py"], "DDP jobs (both LoRA backends, a resume), FSDP refused: 2 GPUs"),
+    "tensor_parallel": (["tests/test_tensor_parallel_gpu.py"], "TP=2 colocated engine, both LoRA backends: 2 GPUs"),
 }
 
 #: the committed record of the parts' runs on an H100 (``--record benchmarks/results`` writes it on one)

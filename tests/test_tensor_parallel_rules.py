@@ -59,8 +59,9 @@ def test_the_size_must_divide_the_number_of_processes():
 
 
 def test_the_gpu_tests_tp2_model_passes_the_check():
-    """The TP=2 GPU test (``test_multi_gpu.py``) runs a model this check lets through, unlike its first version."""
-    from test_multi_gpu import tensor_parallel_config
+    """The TP=2 GPU test (``test_tensor_parallel_gpu.py``) runs a model this check lets through, unlike its first
+    version."""
+    from test_tensor_parallel_gpu import tensor_parallel_config
 
     check_tensor_parallel_layout(tensor_parallel_config(), 2, world_size=2)
 
