@@ -120,9 +120,15 @@ def run_rank(spec, work: str, steps: int, tp: int, out_dir: str, overrides: dict
     result: dict[str, Any] = {"rank": rank, "events": events}
     mem = e2e._PeakMemory(device_index=local)
     t0 = time.perf_counter()
+
+    def progress(**row) -> None:  # as it happens: a mode cut off at its time limit still says how far it got
+        with open(os.path.join(out_dir, f"{PROGRESS_PREFIX}{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({**row, "at_s": round(time.perf_counter() - t0, 1)}) + "\n")
+
     try:
         trainer = e2e.build_trainer(spec, work, steps, tp=tp, overrides=overrides)
         result["init_s"] = round(time.perf_counter() - t0, 1)
+        progress(event="init")
         attach_rank_recorder(trainer, lambda **row: events.append(row))
         if (overrides or {}).get("vllm_mode") == "server" and trainer.accelerator.is_main_process:
             attach_server_recorder(trainer, lambda **row: events.append(row))
@@ -150,6 +156,7 @@ def run_rank(spec, work: str, steps: int, tp: int, out_dir: str, overrides: dict
                 per_step.append(dict(step_s=time.perf_counter() - self.t, rollout_s=roll_t.take(),
                                      sync_s=sync_t.take() if sync_t else 0.0, tokens=tokens[0]))  # fmt: skip
                 tokens[0] = 0
+                progress(event="step", step=len(per_step), step_s=round(per_step[-1]["step_s"], 2))
 
         trainer.add_callback(StepTimer())
         mem.start()
@@ -169,6 +176,35 @@ def run_rank(spec, work: str, steps: int, tp: int, out_dir: str, overrides: dict
 
 
 # ------------------------------------------------------------------------------------------ a mode (driver)
+#: each rank's progress file in a mode's directory (``<prefix><rank>.jsonl``), next to its result ``rank<R>.json``
+PROGRESS_PREFIX = "progress"
+#: lines of a launcher's output that say nothing about where a mode stood: NCCL's and the TCP store's complaints,
+#: with their C++ stack frames, as the ranks are killed at the time limit (they filled a 7B tp2 row's whole tail)
+TEARDOWN_NOISE = ("frame #", "Exception raised from", "ProcessGroupNCCL.cpp", "TCPStore.cpp", "destroy_process_group")
+
+
+def progress_of(out_dir: str) -> dict[str, dict]:
+    """How far each rank got (``{"rank0": {"init_s", "steps_done", "last_at_s"}}``): for a row cut off at its limit.
+    ``init_s`` None: the trainer (model load, vLLM engine start) was still being built."""
+    out: dict[str, dict] = {}
+    for name in sorted(os.listdir(out_dir)):
+        if not (name.startswith(PROGRESS_PREFIX) and name.endswith(".jsonl")):
+            continue
+        with open(os.path.join(out_dir, name)) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        init = next((r["at_s"] for r in rows if r["event"] == "init"), None)
+        out["rank" + name[len(PROGRESS_PREFIX):-len(".jsonl")]] = {
+            "init_s": init, "steps_done": sum(r["event"] == "step" for r in rows),
+            "last_at_s": rows[-1]["at_s"] if rows else None}  # fmt: skip
+    return out
+
+
+def useful_tail(log: str, chars: int = 2500) -> str:
+    """The end of a launcher's output without the teardown noise of killed ranks."""
+    lines = [line for line in log.splitlines() if not any(n in line for n in TEARDOWN_NOISE)]
+    return "\n".join(lines)[-chars:]
+
+
 def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
     """One row from the ranks' results: the slowest rank's medians, every GPU's peak, the cross-rank checks."""
     processes, tp = MODES[mode]
@@ -270,24 +306,26 @@ def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel:
     cmd = accelerate_launch(__file__, ["--worker", json.dumps(dataclasses.asdict(spec)), "--work", work, "--steps",
                                        str(steps), "--tp", str(tp), "--rank-dir", out_dir, "--overrides",
                                        json.dumps(overrides)], processes)  # fmt: skip
-    try:
-        res = run_child(cmd, timeout, env=env)
+    try:  # the launcher's whole output stays in WORK/mode-<mode>.log
+        res = run_child(cmd, timeout, env=env, log_path=os.path.join(work, f"mode-{mode}.log"))
     finally:
         if server is not None:
             stop_server(server)
-    timed_out, log = res.timed_out, res.log
+    timed_out, log = res.timed_out, useful_tail(res.log, 4000)
     if server is not None:
         with open(os.path.join(work, "server.log"), errors="replace") as f:
             log = log + "\n--- server ---\n" + f.read()[-4000:]
     ranks = []
     for name in sorted(os.listdir(out_dir)):
-        with open(os.path.join(out_dir, name)) as f:
-            ranks.append(json.load(f))
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(out_dir, name)) as f:
+                ranks.append(json.load(f))
     row = summarize_mode(mode, ranks, steps)
     if timed_out and row["status"] != "ok":
         row["status"] = f"timeout after {timeout:.0f} s"
     if row["status"] != "ok":
-        row["log_tail"] = (log or "")[-2500:]
+        row["progress"] = progress_of(out_dir)
+        row["log_tail"] = log[-2500:]
     row.update(size=spec.size, prompts=spec.prompts, generations=spec.generations,
                completion_len=spec.completion_len, mode_wall_s=res.wall_s)  # fmt: skip
     return row
@@ -310,8 +348,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--work", default="/tmp/qerl-mg")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--timeout", type=float, default=900.0,
-                    help="seconds per mode, start included: on a fresh machine (no vLLM compile cache) a 14B mode "
-                    "got no further than its first step in 300 s on an H200 (multi_gpu-h200x2.json)")
+                    help="seconds per mode, start included: on a fresh machine (no vLLM compile cache) a 14B 1gpu "
+                    "mode got no further than its first step in 300 s, and a 7B tp2 mode did not finish in 200 s, on "
+                    "H200s (multi_gpu-h200x2.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank-dir", default=None, help=argparse.SUPPRESS)

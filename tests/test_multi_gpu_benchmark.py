@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 
 import pytest
 
@@ -29,6 +30,8 @@ def test_one_rank_trains_and_its_row_has_timings_and_checks(tiny, tmp_path, monk
     assert rank0["status"] == "ok", rank0.get("traceback")
     kinds = [e["event"] for e in rank0["events"]]
     assert kinds.count("aqn") == 3 and kinds.count("lora") == 3 and "gap" not in kinds  # no vLLM: no gap
+    progress = mg.progress_of(work)["rank0"]  # written as it went, for a mode cut off at its limit
+    assert progress["steps_done"] == 3 and 0 < progress["init_s"] <= progress["last_at_s"], progress
     row = mg.summarize_mode("1gpu", [rank0], steps=3)
     assert row["status"] == "ok", row
     assert row["step_s"] > 0 and row["rollout_s"] > 0 and row["sync_s"] == 0.0 and len(row["peak_gib_per_gpu"]) == 1
@@ -87,3 +90,31 @@ def test_a_modes_logprob_gap_is_judged_against_one_gpu_in_the_same_call():
     assert one["status"] == "check_failed: noise_free_logprob_gap_ok"  # above the absolute 0.05
     assert same["status"] == "ok" and same["checks"]["noise_free_logprob_gap_limit"] == 0.0699
     assert worse["status"] == "check_failed: noise_free_logprob_gap_ok"
+
+
+def test_a_mode_cut_off_at_its_limit_says_how_far_each_rank_got(tmp_path, monkeypatch, tiny):  # noqa: F811
+    """A 7B tp2 mode timed out on a fresh machine with only the killed ranks' NCCL complaints in its row: the row now
+    holds each rank's progress (still building the trainer, or how many steps it took) and the log without them."""
+    from benchmarks import _child, e2e_step as e2e
+
+    ranks = textwrap.dedent("""
+        import json, os, sys, time
+        out = sys.argv[sys.argv.index("--rank-dir") + 1]
+        with open(os.path.join(out, "progress0.jsonl"), "a") as f:
+            f.write(json.dumps({"event": "init", "at_s": 150.0}) + "\\n")
+            f.write(json.dumps({"event": "step", "step": 1, "step_s": 9.0, "at_s": 160.0}) + "\\n")
+        open(os.path.join(out, "progress1.jsonl"), "w").close()
+        print("INFO Capturing CUDA graphs (decode)", flush=True)
+        print("[rank1]:[W1126 ProcessGroupNCCL.cpp:1826] Broken pipe\\nframe #0: c10::Error", flush=True)
+        time.sleep(60)
+    """)  # fmt: skip
+    (tmp_path / "ranks.py").write_text(ranks)
+    launch = [sys.executable, str(tmp_path / "ranks.py")]  # stands in for the ranks under accelerate launch
+    monkeypatch.setattr(_child, "accelerate_launch", lambda script, args, processes: [*launch, *args])
+    spec = e2e.RowSpec(tiny, "qerl", prompts=2, generations=4, completion_len=6, sleep=False, generation="hf")
+    row = mg.run_mode("tp2", spec, str(tmp_path), steps=6, timeout=3)
+    assert row["status"] == "timeout after 3 s", row
+    assert row["progress"] == {"rank0": {"init_s": 150.0, "steps_done": 1, "last_at_s": 160.0},
+                               "rank1": {"init_s": None, "steps_done": 0, "last_at_s": None}}  # fmt: skip
+    assert row["log_tail"] == "INFO Capturing CUDA graphs (decode)"
+    assert "frame #0" in (tmp_path / "mode-tp2.log").read_text()  # the whole output is kept beside
