@@ -93,7 +93,19 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+#: the GPU suite (``-m "gpu or vllm"``) as this session collected it, before ``-m`` deselected anything; None when the
+#: session did not collect every test module (``tests/test_gpu_suite.py`` then collects it in a child pytest)
+GPU_SUITE_SEEN = pytest.StashKey[set[str] | None]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before the ``-m`` option deselects anything
 def pytest_collection_modifyitems(config, items):
+    """Note the GPU suite's node ids (a whole-suite run costs nothing more; a child collection took 32 s on CI), then
+    skip GPU tests on a machine without CUDA."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    modules = {os.path.join(here, f) for f in os.listdir(here) if f.startswith("test_") and f.endswith(".py")}
+    gpu = {item.nodeid for item in items if {m.name for m in item.iter_markers()} & {"gpu", "vllm"}}
+    config.stash[GPU_SUITE_SEEN] = gpu if modules <= {str(item.path) for item in items} else None
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine with `pytest -m gpu`)")
