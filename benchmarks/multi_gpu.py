@@ -1,7 +1,7 @@
 """QeRL GRPO steps on one GPU, data-parallel on two (DDP x2), with tensor-parallel rollouts (TP=2), and in server
 mode (a ``qerl-trl vllm-serve`` server on the second GPU, the trainer on the first) (issues #14, #39).
 
-    python benchmarks/multi_gpu.py --work /tmp/qerl-mg --out-dir benchmarks/results   # every mode -> multi_gpu-<gpu>x<n>.json
+    python benchmarks/multi_gpu.py --work /tmp/qerl-mg --out-dir benchmarks/results  # -> multi_gpu-<gpu>x<n>.json
     python benchmarks/multi_gpu.py --modes 1gpu ddp2 --size 7b
 
 Each mode is one ``accelerate launch`` job with the examples' accelerate config (as users launch the GRPO example)
@@ -13,8 +13,10 @@ AQN-noised norms, a hash of the LoRA after each optimizer step, and vLLM's log-p
 round; in server mode also what the server read each round and its FP4 base checksum before and after
 (:func:`attach_server_recorder`). The row of a mode: ``{mode, gpus, processes, tp, step_s, rollout_s, sync_s,
 tokens_per_s, tokens_per_s_vs_1gpu, peak_gib_per_gpu, checks, status}``, medians over the steps after the first, the
-slowest rank's (tokens: all ranks'). A mode that fails (an OOM, a vLLM limit) is a row with its status. The result
-file is rewritten after every mode, so a cut-off run keeps its rows.
+slowest rank's (tokens: all ranks'). A mode that fails (an OOM, a vLLM limit) is a row with its status; one cut off at
+``--timeout`` also says how far each rank got (``progress``: trainer built, steps taken), and every mode's launcher
+output stays in ``WORK/mode-<mode>.log``. The result file is rewritten after every mode, so a cut-off run keeps its
+rows.
 """
 
 from __future__ import annotations
