@@ -130,7 +130,9 @@ def run_rank(spec, work: str, steps: int, tp: int, out_dir: str, overrides: dict
     try:
         trainer = e2e.build_trainer(spec, work, steps, tp=tp, overrides=overrides)
         result["init_s"] = round(time.perf_counter() - t0, 1)
-        progress(event="init")
+        engine_s = getattr(getattr(trainer, "vllm_generation", None), "engine_start_seconds", 0.0)
+        result["engine_start_s"] = round(engine_s, 1) if engine_s else None  # of init_s (None: no colocated engine)
+        progress(event="init", engine_start_s=result["engine_start_s"])
         attach_rank_recorder(trainer, lambda **row: events.append(row))
         if (overrides or {}).get("vllm_mode") == "server" and trainer.accelerator.is_main_process:
             attach_server_recorder(trainer, lambda **row: events.append(row))
@@ -186,18 +188,19 @@ TEARDOWN_NOISE = ("frame #", "Exception raised from", "ProcessGroupNCCL.cpp", "T
 
 
 def progress_of(out_dir: str) -> dict[str, dict]:
-    """How far each rank got (``{"rank0": {"init_s", "steps_done", "last_at_s"}}``): for a row cut off at its limit.
-    ``init_s`` None: the trainer (model load, vLLM engine start) was still being built."""
+    """How far each rank got (``{"rank0": {"init_s", "engine_start_s", "steps_done", "last_at_s"}}``): for a row
+    cut off at its limit. ``init_s`` None: the trainer (model load, then the vLLM engine's start, ``engine_start_s``
+    of it) was still being built."""
     out: dict[str, dict] = {}
     for name in sorted(os.listdir(out_dir)):
         if not (name.startswith(PROGRESS_PREFIX) and name.endswith(".jsonl")):
             continue
         with open(os.path.join(out_dir, name)) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        init = next((r["at_s"] for r in rows if r["event"] == "init"), None)
+        init = next((r for r in rows if r["event"] == "init"), {})
         out["rank" + name[len(PROGRESS_PREFIX):-len(".jsonl")]] = {
-            "init_s": init, "steps_done": sum(r["event"] == "step" for r in rows),
-            "last_at_s": rows[-1]["at_s"] if rows else None}  # fmt: skip
+            "init_s": init.get("at_s"), "engine_start_s": init.get("engine_start_s"),
+            "steps_done": sum(r["event"] == "step" for r in rows), "last_at_s": rows[-1]["at_s"] if rows else None}
     return out
 
 
@@ -223,6 +226,8 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
     row["tokens_per_s"] = round(sum(statistics.median(s.get("tokens", 0) for s in st) for st in steady)
                                 / row["step_s"], 1)  # fmt: skip
     row["init_s"] = max(r["init_s"] for r in ranks)
+    starts = [r.get("engine_start_s") for r in ranks if r.get("engine_start_s") is not None]
+    row["engine_start_s"] = max(starts) if starts else None
     row["peak_gib_per_gpu"] = [r["peak_gib"] for r in sorted(ranks, key=lambda r: r["rank"])]
 
     def events(r, kind):

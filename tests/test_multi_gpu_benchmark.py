@@ -34,6 +34,7 @@ def test_one_rank_trains_and_its_row_has_timings_and_checks(tiny, tmp_path, monk
     assert progress["steps_done"] == 3 and 0 < progress["init_s"] <= progress["last_at_s"], progress
     row = mg.summarize_mode("1gpu", [rank0], steps=3)
     assert row["status"] == "ok", row
+    assert row["engine_start_s"] is None and rank0["engine_start_s"] is None  # hf generation: no engine
     assert row["step_s"] > 0 and row["rollout_s"] > 0 and row["sync_s"] == 0.0 and len(row["peak_gib_per_gpu"]) == 1
     assert row["checks"]["aqn_same_on_every_rank"] and row["checks"]["lora_trained"]
     assert row["checks"]["noise_free_logprob_gap_ok"] is None
@@ -101,7 +102,7 @@ def test_a_mode_cut_off_at_its_limit_says_how_far_each_rank_got(tmp_path, monkey
         import json, os, sys, time
         out = sys.argv[sys.argv.index("--rank-dir") + 1]
         with open(os.path.join(out, "progress0.jsonl"), "a") as f:
-            f.write(json.dumps({"event": "init", "at_s": 150.0}) + "\\n")
+            f.write(json.dumps({"event": "init", "engine_start_s": 90.0, "at_s": 150.0}) + "\\n")
             f.write(json.dumps({"event": "step", "step": 1, "step_s": 9.0, "at_s": 160.0}) + "\\n")
         open(os.path.join(out, "progress1.jsonl"), "w").close()
         print("INFO Capturing CUDA graphs (decode)", flush=True)
@@ -114,7 +115,9 @@ def test_a_mode_cut_off_at_its_limit_says_how_far_each_rank_got(tmp_path, monkey
     spec = e2e.RowSpec(tiny, "qerl", prompts=2, generations=4, completion_len=6, sleep=False, generation="hf")
     row = mg.run_mode("tp2", spec, str(tmp_path), steps=6, timeout=3)
     assert row["status"] == "timeout after 3 s", row
-    assert row["progress"] == {"rank0": {"init_s": 150.0, "steps_done": 1, "last_at_s": 160.0},
-                               "rank1": {"init_s": None, "steps_done": 0, "last_at_s": None}}  # fmt: skip
+    assert row["progress"] == {
+        "rank0": {"init_s": 150.0, "engine_start_s": 90.0, "steps_done": 1, "last_at_s": 160.0},
+        "rank1": {"init_s": None, "engine_start_s": None, "steps_done": 0, "last_at_s": None},
+    }
     assert row["log_tail"] == "INFO Capturing CUDA graphs (decode)"
     assert "frame #0" in (tmp_path / "mode-tp2.log").read_text()  # the whole output is kept beside
