@@ -170,6 +170,9 @@ class StandIn:
                 if self.path == "/v1/load_lora_adapter":
                     files = sorted(os.listdir(body["lora_path"]))  # what vLLM reads at once
                     assert files == ["adapter_config.json", "adapter_model.safetensors"], files
+                    if body["lora_name"] in outer.adapters and not body.get("load_inplace"):  # as vLLM 0.24 answers
+                        return self._reply(400, {"error": {"message": f"The lora adapter '{body['lora_name']}' has "
+                                                           "already been loaded."}})  # fmt: skip
                     outer.adapters[body["lora_name"]] = body["lora_path"]
                     return self._reply(200, "Success")
                 if self.path == "/v1/unload_lora_adapter":
@@ -250,11 +253,13 @@ def test_the_vllm_backend_loads_each_round_as_the_servers_adapter(stand_in, tmp_
     sync.check()
     first = sync.sync(policy, {n: torch.ones(64) for n in REQ.fp32_norms})
     assert first["adapter_root_ok"] and first["read_ok"] and first["norms"] == [2]
-    assert sync.served_name == f"{POLICY_LORA_NAME}-1" and list(server.adapters) == [sync.served_name]
+    first_name = sync.served_name
+    assert first_name.startswith(f"{POLICY_LORA_NAME}-") and first_name.endswith("-1")
+    assert list(server.adapters) == [first_name]
     assert sync.sync(policy, None)["adapter_root_ok"]
     # a new name each round, the previous one unloaded: load_inplace=True would make vLLM re-read the files on every
     # request, and its prefix cache is keyed on the name
-    assert sync.served_name == f"{POLICY_LORA_NAME}-2" and list(server.adapters) == [sync.served_name]
+    assert sync.served_name == first_name[:-1] + "2" and list(server.adapters) == [sync.served_name]
     loads = [b for p, b in server.calls if p == "/v1/load_lora_adapter"]
     assert [b["load_inplace"] for b in loads] == [False, False]
     # vLLM reads the files again when the adapter comes back into its cache: the served round's directory stays (the
@@ -341,6 +346,23 @@ def test_the_engine_casts_the_norms_its_config_lists_and_its_workers_describe_th
     assert d["fp32_norms"] == ["norm.weight"] and d["in_layer_lora"] is None and d["can_read_probe"]
     assert d["vllm_lora"] == {"max_lora_rank": 32, "max_loras": 1} and d["runtime_lora_updating"] is True
     assert not Worker().qerl_describe(str(tmp_path / "missing"))["can_read_probe"]
+
+
+def test_a_later_trainer_on_the_same_server_loads_its_adapters_and_drops_the_orphans(stand_in, tmp_path, policy):
+    """A run resumed (or restarted) against a running server is a new trainer process whose rounds count from 1
+    again: its adapters must not collide with the names the ended run left registered (vLLM 0.24 refuses a name it
+    holds), and a registration whose directory is gone is unloaded (vLLM would die reading it)."""
+    server = stand_in(_described(in_layer_lora=None, vllm_lora={"max_lora_rank": 8, "max_loras": 1},
+                                 runtime_lora_updating=True))  # fmt: skip
+    req = ServerRequirements("vllm", 8, REQ.lora_targets, ())
+    ended = ServerSync(server.url, req, str(tmp_path), "c")
+    ended.check()
+    ended.sync(policy, None)
+    ended.close()  # its directory gone, as remove_stale() leaves it once the process has exited
+    later = ServerSync(server.url, req, str(tmp_path), "c")
+    later.check()
+    assert later.sync(policy, None)["adapter_root_ok"] and list(server.adapters) == [later.served_name]
+    assert later.served_name != ended.served_name
 
 
 def test_round_files_of_trainers_that_are_gone_are_removed_at_the_next_check(stand_in, tmp_path):

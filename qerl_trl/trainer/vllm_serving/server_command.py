@@ -25,7 +25,8 @@ from .lora_rules import vllm_max_lora_rank
 __all__ = ["POLICY_LORA_NAME", "ServerRequirements", "requirements_for_checkpoint", "serve_command", "serve_hint",
            "vllm_serve_command"]
 
-#: the adapter name a server with vLLM's LoRA serves the policy under (``vllm_lora_backend="vllm"``), with the round
+#: the adapter name a server with vLLM's LoRA serves the policy under (``vllm_lora_backend="vllm"``), with the
+#: trainer run's id and the round
 POLICY_LORA_NAME = "qerl-policy"
 
 

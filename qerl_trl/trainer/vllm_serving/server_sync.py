@@ -46,6 +46,7 @@ class ServerSync:
         self.timeout = timeout
         self.session = requests.Session()  # no retries: a refused RPC is a setup problem, not a transient one
         self.rounds = 0
+        self._run = uuid.uuid4().hex[:8]  # in round ids and adapter names: a later trainer counts from 1 again
         self._adapter_dir: str | None = None  # the directory of the adapter the server serves (backend "vllm")
         self.served_name: str | None = None  # the name requests must give to get that adapter (backend "vllm")
         self.last: dict[str, Any] = {}  # what the newest sync saw: "read_ok", "adapter_root_ok", counts
@@ -132,10 +133,22 @@ class ServerSync:
                 removed.append(name)
         return removed
 
+    def unload_orphans(self) -> list[str]:
+        """Unload the policy adapters the server still holds whose directory is gone (left by trainers that ended:
+        :meth:`remove_stale`): vLLM's engine dies if a request for one makes it read the files again."""
+        cards = self.session.get(f"{self.base_url}/v1/models", timeout=self.timeout).json()["data"]
+        gone = [c["id"] for c in cards if str(c.get("id", "")).startswith(f"{POLICY_LORA_NAME}-")
+                and not os.path.isdir(str(c.get("root")))]  # fmt: skip
+        for name in gone:
+            self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        return gone
+
     def check(self) -> None:
         """Refuse, before any step, a server that cannot serve this trainer's policy."""
         os.makedirs(self.sync_dir, exist_ok=True)
         self.remove_stale()
+        if self.req.lora_backend == "vllm":
+            self.unload_orphans()
         fd, probe = tempfile.mkstemp(prefix="qerl-probe-", dir=self.sync_dir)
         os.close(fd)
         try:
@@ -169,7 +182,7 @@ class ServerSync:
 
     def _load_round(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
         path = os.path.join(self.sync_dir, f"qerl-round-{os.getpid()}.safetensors")
-        round_id = f"{self.rounds}-{uuid.uuid4().hex}"
+        round_id = f"{self._run}-{self.rounds}"  # unique to this trainer's round: echoed by each worker that read it
         write_round(path, tensors, scaling, round_id)
         try:
             results = self.rpc("qerl_load_round", path)
@@ -182,13 +195,13 @@ class ServerSync:
             raise RuntimeError(f"The vLLM server read another round file than the one written ({results}).")
 
     def _load_adapter(self, model: nn.Module) -> None:
-        """vLLM's runtime LoRA loading, under a new name each round (``qerl-policy-<round>``), as TRL's
+        """vLLM's runtime LoRA loading, under a new name each round (``qerl-policy-<run>-<round>``), as TRL's
         ``AsyncGRPOTrainer`` does: ``load_inplace=True`` would make vLLM 0.24 re-read the adapter from disk on every
         request (vllm-project/vllm#41482), and its prefix cache is keyed on the adapter's name. The previous name is
         unloaded. A round's directory stays until the next round's adapter is loaded: vLLM reads the files again
         whenever the adapter comes back into its cache (a server whose directory was removed right after the load
         died at the next request, 7160c43)."""
-        name = f"{POLICY_LORA_NAME}-{self.rounds}"
+        name = f"{POLICY_LORA_NAME}-{self._run}-{self.rounds}"
         path = tempfile.mkdtemp(prefix=f"qerl-lora-{os.getpid()}-{self.rounds}-", dir=self.sync_dir)
         try:
             write_adapter_dir(path, peft_to_vllm_lora_tensors(model), model.peft_config["default"])
