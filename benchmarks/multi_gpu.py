@@ -16,7 +16,8 @@ tokens_per_s, tokens_per_s_vs_1gpu, peak_gib_per_gpu, checks, status}``, medians
 slowest rank's (tokens: all ranks'). A mode that fails (an OOM, a vLLM limit) is a row with its status; one cut off at
 ``--timeout`` also says how far each rank got (``progress``: trainer built, steps taken), and every mode's launcher
 output stays in ``WORK/mode-<mode>.log``. The result file is rewritten after every mode, so a cut-off run keeps its
-rows.
+rows. ``--stack-every S`` samples each rank's Python stack while it builds its trainer (``WORK/mode-<mode>/
+stacks<R>.txt``): it showed that 155 s of a 14B rank's 305 s start went to AQN's target trace on the CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -107,8 +109,39 @@ def attach_server_recorder(trainer, write) -> None:
 
 
 # ------------------------------------------------------------------------------------------ one rank (worker)
-def run_rank(spec, work: str, steps: int, tp: int, out_dir: str, overrides: dict | None = None) -> None:
-    """Train on this rank and write ``out_dir/rank<R>.json``: timings, peak memory, the recorder's events."""
+class StackSampler(threading.Thread):
+    """Appends the main thread's innermost Python frames to ``path`` every ``every`` seconds, each sample headed by
+    the seconds since start. ``sys._current_frames`` under the GIL, not :mod:`faulthandler`'s watchdog, which
+    crashed (SIGSEGV) sampling a trainer's start. A sample is late while the main thread holds the GIL in C."""
+
+    def __init__(self, path: str, every: float, depth: int = 30) -> None:
+        super().__init__(daemon=True)
+        self.path, self.every, self.depth = path, every, depth
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        main = threading.main_thread().ident
+        t0 = time.perf_counter()
+        with open(self.path, "w") as f:
+            while not self._stop_event.wait(self.every):
+                frame = sys._current_frames().get(main)
+                if frame is None:
+                    break
+                lines = [f"  {fs.filename}:{fs.lineno} {fs.name}" for fs in traceback.extract_stack(frame)]
+                f.write(f"--- {time.perf_counter() - t0:.1f} s\n" + "\n".join(lines[-self.depth:]) + "\n")
+                f.flush()
+
+    def finish(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+
+def run_rank(spec, work: str, steps: int, tp: int, out_dir: str, overrides: dict | None = None,
+             stack_every: float = 0.0) -> None:
+    """Train on this rank and write ``out_dir/rank<R>.json``: timings, peak memory, the recorder's events.
+
+    ``stack_every`` > 0: while the trainer is built, the main thread's Python stack goes to ``out_dir/stacks<R>.txt``
+    every that many seconds (:class:`StackSampler`), a sampling profile of a start that takes minutes."""
     import torch
     from transformers import TrainerCallback
 
@@ -127,9 +160,14 @@ def run_rank(spec, work: str, steps: int, tp: int, out_dir: str, overrides: dict
         with open(os.path.join(out_dir, f"{PROGRESS_PREFIX}{rank}.jsonl"), "a") as f:
             f.write(json.dumps({**row, "at_s": round(time.perf_counter() - t0, 1)}) + "\n")
 
+    sampler = StackSampler(os.path.join(out_dir, f"stacks{rank}.txt"), stack_every) if stack_every > 0 else None
     try:
+        if sampler is not None:
+            sampler.start()
         trainer = e2e.build_trainer(spec, work, steps, tp=tp, overrides=overrides)
         result["init_s"] = round(time.perf_counter() - t0, 1)
+        if sampler is not None:
+            sampler.finish()
         engine_s = getattr(getattr(trainer, "vllm_generation", None), "engine_start_seconds", 0.0)
         result["engine_start_s"] = round(engine_s, 1) if engine_s else None  # of init_s (None: no colocated engine)
         progress(event="init", engine_start_s=result["engine_start_s"])
@@ -172,6 +210,8 @@ def run_rank(spec, work: str, steps: int, tp: int, out_dir: str, overrides: dict
                            "checksums": trainer.vllm_generation.server_sync.base_checksums()})  # fmt: skip
         result["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - a failure is a row
+        if sampler is not None:
+            sampler.finish()
         mem.stop()
         result["status"] = e2e._classify(e)
         result["traceback"] = traceback.format_exc()[-3000:]
@@ -295,7 +335,8 @@ def stop_server(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel: str = "auto") -> dict:
+def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel: str = "auto",
+             stack_every: float = 0.0) -> dict:
     from benchmarks._child import accelerate_launch, run_child
 
     processes, tp = MODES[mode]
@@ -310,9 +351,9 @@ def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel:
         server, url = start_server(spec, work, 1, fp4_kernel, os.path.join(work, "server.log"))
         overrides.update(vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=timeout)
         env["CUDA_VISIBLE_DEVICES"] = "0"
-    cmd = accelerate_launch(__file__, ["--worker", json.dumps(dataclasses.asdict(spec)), "--work", work, "--steps",
-                                       str(steps), "--tp", str(tp), "--rank-dir", out_dir, "--overrides",
-                                       json.dumps(overrides)], processes)  # fmt: skip
+    worker = ["--worker", json.dumps(dataclasses.asdict(spec)), "--work", work, "--steps", str(steps), "--tp", str(tp),
+              "--rank-dir", out_dir, "--overrides", json.dumps(overrides), "--stack-every", str(stack_every)]
+    cmd = accelerate_launch(__file__, worker, processes)
     try:  # the launcher's whole output stays in WORK/mode-<mode>.log
         res = run_child(cmd, timeout, env=env, log_path=os.path.join(work, f"mode-{mode}.log"))
     finally:
@@ -358,6 +399,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="seconds per mode, start included: on a fresh machine (no vLLM compile cache) a 14B 1gpu "
                     "mode got no further than its first step in 300 s, and a 7B tp2 mode did not finish in 200 s, on "
                     "H200s (multi_gpu-h200x2.json)")
+    ap.add_argument("--stack-every", type=float, default=0.0, metavar="S",
+                    help="while each rank builds its trainer, dump its Python stacks every S seconds to "
+                    "WORK/mode-<mode>/stacks<R>.txt (where a start of minutes goes)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank-dir", default=None, help=argparse.SUPPRESS)
@@ -367,7 +411,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from benchmarks import e2e_step as e2e
 
     if a.worker:
-        run_rank(e2e.RowSpec(**json.loads(a.worker)), a.work, a.steps, a.tp, a.rank_dir, json.loads(a.overrides))
+        run_rank(e2e.RowSpec(**json.loads(a.worker)), a.work, a.steps, a.tp, a.rank_dir, json.loads(a.overrides),
+                 a.stack_every)
         return []
     import torch
 
@@ -388,7 +433,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append({"mode": mode, "gpus": MODE_GPUS[mode], "status": f"not_run: needs {MODE_GPUS[mode]} GPUs, "
                          f"this machine has {gpus}"})  # fmt: skip
         else:
-            rows.append(run_mode(mode, spec, a.work, a.steps, a.timeout, a.fp4_kernel))
+            rows.append(run_mode(mode, spec, a.work, a.steps, a.timeout, a.fp4_kernel, a.stack_every))
         rows[-1].update(gpus=MODE_GPUS[mode], commit=git_commit(), gpu=gpu_name())
         judge_rows(rows)
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("log_tail", "traceback")}), flush=True)

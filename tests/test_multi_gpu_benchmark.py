@@ -25,9 +25,10 @@ def test_one_rank_trains_and_its_row_has_timings_and_checks(tiny, tmp_path, monk
     e2e.prepare_checkpoints(work, tiny, need_bf16=False)
     spec = e2e.RowSpec(tiny, "qerl", prompts=2, generations=4, completion_len=6, sleep=False, generation="hf")
     monkeypatch.setenv("RANK", "0")
-    mg.run_rank(spec, work, steps=3, tp=1, out_dir=work)
+    mg.run_rank(spec, work, steps=3, tp=1, out_dir=work, stack_every=0.05)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["status"] == "ok", rank0.get("traceback")
+    assert "build_trainer" in (tmp_path / "stacks0.txt").read_text()  # sampled while the trainer was built
     kinds = [e["event"] for e in rank0["events"]]
     assert kinds.count("aqn") == 3 and kinds.count("lora") == 3 and "gap" not in kinds  # no vLLM: no gap
     progress = mg.progress_of(work)["rank0"]  # written as it went, for a mode cut off at its limit
