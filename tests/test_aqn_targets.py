@@ -58,6 +58,36 @@ def test_targets_with_nvfp4_projections():
     assert summary(find_noise_targets(model)) == expected(2)
 
 
+def test_the_trace_never_computes_a_projection(monkeypatch):
+    """The trainer traces the model while it is still on the CPU, where a 14B NVFP4 forward took 155 s: the
+    projections return zeros of their shape instead, and every module's own forward is back afterwards."""
+    model = to_nvfp4(tiny_model("qwen2"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a projection computed during the trace")
+
+    monkeypatch.setattr(NVFP4Linear, "forward", refuse)
+    monkeypatch.setattr(nn.Linear, "forward", refuse)
+    assert summary(find_noise_targets(model)) == expected(2)
+    assert not any("forward" in vars(m) for m in model.modules())
+    monkeypatch.undo()
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.abs().sum() > 0
+
+
+def test_a_model_that_needs_its_projections_values_is_traced_with_them():
+    model = tiny_model("llama")
+    attn = model.model.layers[0].self_attn
+    real_forward = type(attn).forward
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if not self.q_proj(hidden_states).any():  # a data-dependent check that zeros from the stubs would fail
+            raise RuntimeError("q_proj returned zeros")
+        return real_forward(self, hidden_states, *args, **kwargs)
+
+    attn.forward = forward.__get__(attn)
+    assert summary(find_noise_targets(model)) == expected(2)
+
+
 def test_discovery_leaves_training_mode_alone():
     model = tiny_model("llama").train()
     model.model.layers[1].eval()

@@ -10,7 +10,8 @@ vLLM's model, so its noise never reached a rollout. Here the targets are found b
    (RMSNorm-like: a bias would break the ``Ŵ·diag(1 + z/w)`` equivalence);
 3. one tiny forward pass (4 tokens, no grad, eval mode) with hooks traces which Linear-like modules (anything
    with ``in_features``/``out_features``: ``nn.Linear``, ``NVFP4Linear``, PEFT LoRA layers) consume a norm's
-   output tensor; a candidate that feeds at least one projection is a target, and ``feeds`` names the
+   output tensor (the projections return zeros meanwhile: their arithmetic is not needed, and on a CPU it is
+   minutes at 14B); a candidate that feeds at least one projection is a target, and ``feeds`` names the
    outermost consumers (``q_proj``, not ``q_proj.base_layer`` or ``q_proj.lora_A.default``).
 
 So ``o_proj``/``down_proj`` (fed by attention / the activation) and the final norm (outside the layers, feeding
@@ -19,7 +20,9 @@ So ``o_proj``/``down_proj`` (fed by attention / the activation) and the final no
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +115,42 @@ def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [v for v in vals if isinstance(v, torch.Tensor)]
 
 
+@contextlib.contextmanager
+def _projections_return_zeros(model: nn.Module) -> Iterator[None]:
+    """While tracing, every outermost Linear-like module returns zeros of its output shape instead of computing.
+
+    The trace needs which module consumes which tensor, not the projections' arithmetic, and that arithmetic is
+    the whole cost: the model is still on the CPU when the trainer traces it, where an NVFP4 forward dequantizes
+    every weight (a 14B model's 4-token trace took 155 s on the GPU machine's CPU). The pre-hooks still see each
+    projection's input; modules inside a stubbed one (``base_layer``, ``lora_A``) are not called, and
+    :func:`find_noise_targets` keeps only the outermost consumers anyway."""
+
+    def zeros(module: nn.Module):
+        def forward(*args, **kwargs):
+            x = _tensor_args(args, kwargs)[0]
+            return x.new_zeros(*x.shape[:-1], module.out_features)
+
+        return forward
+
+    stubbed: list[tuple[nn.Module, object]] = []  # (module, its own instance forward, e.g. accelerate's hook)
+    inside = None  # named_modules() is pre-order: a stubbed module's submodules come right after it
+    for name, module in model.named_modules():
+        if inside is not None and name.startswith(inside):
+            continue
+        if name and _is_linear_like(module):
+            stubbed.append((module, vars(module).get("forward")))
+            module.forward = zeros(module)
+            inside = name + "."
+    try:
+        yield
+    finally:
+        for module, own in stubbed:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+
 def _dummy_input(model: nn.Module) -> torch.Tensor:
     get_emb = getattr(model, "get_input_embeddings", None)
     emb = get_emb() if callable(get_emb) else None
@@ -130,7 +169,8 @@ def find_noise_targets(model: nn.Module) -> list[NoiseTarget]:
     """The norm weights in front of the attention input projections and the MLP input projections.
 
     Works on a transformers causal LM, with the projections being ``nn.Linear``, ``NVFP4Linear`` or PEFT LoRA
-    layers, and through a ``PeftModel``. Runs one 4-token forward (no grad, eval mode, modes restored after).
+    layers, and through a ``PeftModel``. Runs one 4-token forward (no grad, eval mode, modes restored after) in which
+    the projections return zeros; a model whose forward fails that way is traced again with the real projections.
     Raises :class:`AQNStructureError`, listing what was found, when no decoder layers with norm -> projection
     structure exist, several layer lists have it, or some layer has fewer such norms than the others.
     """
@@ -188,14 +228,20 @@ def find_noise_targets(model: nn.Module) -> list[NoiseTarget]:
         try:
             ids = _dummy_input(model)
             try:
-                model(input_ids=ids)
+                with _projections_return_zeros(model):
+                    model(input_ids=ids)
             except AQNStructureError:
                 raise
-            except Exception as e:
-                raise AQNStructureError(
-                    f"AQN traces which norm feeds which projection with one forward of input_ids={ids.tolist()} "
-                    f"on {type(model).__name__}; that forward failed: {type(e).__name__}: {e}"
-                ) from e
+            except Exception:  # a model whose data flow needs the projections' values: trace with them
+                norm_out.clear()
+                consumers.clear()
+                try:
+                    model(input_ids=ids)
+                except Exception as e:
+                    raise AQNStructureError(
+                        f"AQN traces which norm feeds which projection with one forward of input_ids={ids.tolist()} "
+                        f"on {type(model).__name__}; that forward failed: {type(e).__name__}: {e}"
+                    ) from e
         finally:
             for m, training in modes.items():
                 m.training = training
