@@ -338,7 +338,8 @@ def test_vllm_resolves_the_quantization_method_and_its_lora_spec(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from qerl_trl.quantizer.checkpoint import load_nvfp4
-    from qerl_trl.trainer.vllm_serving import single_lora_engine_kwargs
+    from qerl_trl.trainer.vllm_serving import engine_norm_overrides, single_lora_engine_kwargs
+    from qerl_trl.vllm_plugin.fp32_norms import FP32_NORMS_KEY
 
     register()
     ckpt = tmp_path / "nvfp4"
@@ -357,6 +358,16 @@ def test_vllm_resolves_the_quantization_method_and_its_lora_spec(tmp_path):
     assert qc.lora_names("model.layers.0.self_attn.qkv_proj") == ["q_proj", "k_proj", "v_proj"]
     assert qc.lora_names("model.layers.0.self_attn.o_proj") == []
     assert qc.lora_names("model.layers.0.mlp.gate_up_proj") == ["gate_proj", "up_proj"]
+
+    # with AQN, the trainer adds its float32 norms to the same overrides: vLLM's HF config carries both, and the load
+    # hook (the one a `qerl-trl vllm-serve` engine uses) reads the norms from there
+    norms = ["model.layers.0.input_layernorm.weight", "model.norm.weight"]
+    overrides = engine_norm_overrides(reversed(norms), kwargs["hf_overrides"])
+    assert overrides == {**kwargs["hf_overrides"], FP32_NORMS_KEY: norms}
+    assert FP32_NORMS_KEY not in kwargs["hf_overrides"]  # the backend's own arguments are left as they were
+    mc = ModelConfig(model=str(ckpt), dtype="bfloat16", quantization=kwargs["quantization"], hf_overrides=overrides)
+    assert mc.quantization == QUANT_NAME and getattr(mc.hf_config, FP32_NORMS_KEY) == norms
+    assert engine_norm_overrides([], None) is None and engine_norm_overrides([], {"a": 1}) == {"a": 1}
 
     # without the override, the same checkpoint stays plain compressed-tensors (today's vLLM-LoRA path)
     assert ModelConfig(model=str(ckpt), dtype="bfloat16").quantization == "compressed-tensors"

@@ -1,15 +1,11 @@
 """AQN's norms inside vLLM's model, in float32 (plain torch; imports no vLLM at import time).
 
 AQN's σ goes down to 5e-4, below bf16's step of 2^-7 near 1.0, so the noised norm weights must be float32 inside the
-engine. Two engines need that:
-
-* the trainer's colocated engine casts them through a context around ``LLM(...)``
-  (:func:`qerl_trl.trainer.vllm_serving.fp32_norms_during_load`);
-* an engine started by ``qerl-trl vllm-serve`` runs in other processes, so the names travel in its HF config
-  (``hf_overrides``, key :data:`FP32_NORMS_KEY`) and :func:`install_fp32_norm_hook`, installed by the plugin's
-  ``register()`` in every vLLM process, casts them right after the weights load.
-
-Both cast before vLLM compiles the model and captures CUDA graphs, so the graphs read the float32 weights.
+engine. The names travel in the engine's HF config (``hf_overrides``, key :data:`FP32_NORMS_KEY`), and
+:func:`install_fp32_norm_hook` casts them right after the weights load, before vLLM compiles the model and captures
+CUDA graphs, so the graphs read the float32 weights. One mechanism for both engines: the plugin's ``register()``
+installs the hook in every vLLM process (an engine of ``qerl-trl vllm-serve``), and the trainer installs it in its
+own process, where its colocated engine runs (:func:`qerl_trl.trainer.vllm_serving.engine_norm_overrides`).
 """
 
 from __future__ import annotations

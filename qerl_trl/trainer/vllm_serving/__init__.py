@@ -19,7 +19,7 @@ from __future__ import annotations
 from .adapter_lora import AdapterLoRABackend, write_adapter_dir
 from .compile_cache import compile_cache_marker
 from .fp4_kernel_choice import require_humming_if_forced, resolve_fp4_kernel
-from .fp32_norms import cast_norms_to_fp32, fp32_norms_during_load, push_norm_weights
+from .fp32_norms import cast_norms_to_fp32, engine_norm_overrides, push_norm_weights
 from .generation import LORA_BACKENDS, make_qerl_vllm_generation_class, swap_trl_vllm_generation
 from .in_layer_lora import InLayerLoRABackend, single_lora_engine_kwargs
 from .lora_backend import VLLMLoRABackend
@@ -42,7 +42,7 @@ __all__ = [
     "cast_norms_to_fp32",
     "check_lora_config_for_vllm",
     "compile_cache_marker",
-    "fp32_norms_during_load",
+    "engine_norm_overrides",
     "make_qerl_vllm_generation_class",
     "peft_lora_modules",
     "peft_to_vllm_lora_tensors",

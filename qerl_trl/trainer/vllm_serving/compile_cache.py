@@ -12,7 +12,7 @@ def compile_cache_marker(fp32_norm_names: Iterable[str], hf_overrides: dict | No
     """vLLM ``additional_config`` that gives engines with float32 norms their own torch.compile cache.
 
     vLLM 0.24 keys its compile cache (``vllm/compilation/backends.py``) on its configs, env and the traced source
-    files, not on parameter dtypes. :func:`fp32_norms_during_load` changes the norms' dtype after the configs are
+    files, not on parameter dtypes. The plugin's load hook changes the norms' dtype after the configs are
     hashed, so without a marker an AQN engine loads the kernels another engine compiled for bf16 norms on the same
     checkpoint (or the reverse) and generates garbage. ``VllmConfig.additional_config`` is hashed into that key.
     Engines without fp32 norms get a marker too, so a cache an AQN engine filled before this marker existed is

@@ -1,54 +1,37 @@
-"""AQN's norms inside vLLM: kept in float32 from the moment vLLM loads its weights (so a small σ survives bf16), and
-the noised values copied in place each round.
+"""AQN's norms inside the colocated vLLM engine: kept in float32 from the moment vLLM loads its weights (so a small
+σ survives bf16), and the noised values copied in place each round.
 
-``fp32_norms_during_load`` converts the AQN target norms of vLLM's model to float32 right after vLLM loads the
-weights (wrapping ``BaseModelLoader.load_model``, vLLM 0.24), before vLLM compiles the model and captures CUDA
-graphs. vLLM 0.24's ``ir.ops.rms_norm`` dispatch then skips the ``vllm_c`` CUDA kernel (it requires weight dtype ==
+The cast itself is the plugin's load hook (:func:`qerl_trl.vllm_plugin.fp32_norms.install_fp32_norm_hook`), the same
+one a ``qerl-trl vllm-serve`` engine uses: the norms' names go into the engine's HF config through ``hf_overrides``,
+and right after vLLM loads the weights, before it compiles the model and captures CUDA graphs, the hook casts them.
+vLLM 0.24's ``ir.ops.rms_norm`` dispatch then skips the ``vllm_c`` CUDA kernel (it requires weight dtype ==
 activation dtype) and uses the native implementation, ``(x_hat.to(fp32) * w_fp32).to(bf16)``: small AQN σ (5e-4,
 below bf16's 2^-7 step near 1.0) survives into the rollouts.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from typing import Any, Iterator
+from typing import Any, Iterable
 
 import torch
 
-from ...vllm_plugin.fp32_norms import cast_norms_to_fp32, copy_norms_in_place
+from ...vllm_plugin.fp32_norms import FP32_NORMS_KEY, cast_norms_to_fp32, copy_norms_in_place
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["cast_norms_to_fp32", "fp32_norms_during_load", "push_norm_weights"]
+__all__ = ["cast_norms_to_fp32", "engine_norm_overrides", "push_norm_weights"]
 
 
-@contextlib.contextmanager
-def fp32_norms_during_load(param_names: list[str]) -> Iterator[None]:
-    """While building a vLLM ``LLM``: right after vLLM loads its weights, cast ``param_names`` to float32.
+def engine_norm_overrides(param_names: Iterable[str], hf_overrides: dict[str, Any] | None = None) -> dict | None:
+    """The colocated engine's ``hf_overrides``: the LoRA backend's (if any) plus AQN's float32 norms, with the load
+    hook installed in this process, where the engine runs (``distributed_executor_backend="external_launcher"``).
+    None when there is nothing to override."""
+    overrides = dict(hf_overrides or {})
+    names = sorted(param_names)
+    if names:
+        from ...vllm_plugin.fp32_norms import install_fp32_norm_hook
 
-    Wraps ``vllm.model_executor.model_loader.base_loader.BaseModelLoader.load_model`` (vLLM 0.24), which runs
-    inside the worker's "weights" memory pool (so sleep level 1 offloads/restores them too) and before
-    torch.compile tracing and CUDA-graph capture.
-    """
-    if not param_names:
-        yield
-        return
-    from vllm.model_executor.model_loader import base_loader
-
-    original = base_loader.BaseModelLoader.load_model
-
-    def load_model(self, *args, **kwargs):
-        model = original(self, *args, **kwargs)
-        changed = cast_norms_to_fp32(model, param_names)
-        logger.info("AQN: %d vLLM norm weights kept in float32", len(changed))
-        return model
-
-    base_loader.BaseModelLoader.load_model = load_model
-    try:
-        yield
-    finally:
-        base_loader.BaseModelLoader.load_model = original
+        install_fp32_norm_hook()
+        overrides[FP32_NORMS_KEY] = names
+    return overrides or None
 
 
 def push_norm_weights(llm: Any, noised: dict[str, torch.Tensor]) -> int:

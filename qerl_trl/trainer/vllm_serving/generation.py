@@ -27,7 +27,7 @@ import torch
 
 from .adapter_lora import AdapterLoRABackend
 from .compile_cache import compile_cache_marker
-from .fp32_norms import fp32_norms_during_load, push_norm_weights
+from .fp32_norms import engine_norm_overrides, push_norm_weights
 from .in_layer_lora import InLayerLoRABackend
 from .lora_backend import VLLMLoRABackend
 from .serving_llm import LoRAServingLLM
@@ -79,27 +79,29 @@ def make_qerl_vllm_generation_class():
             ensure_master_addr_port()
             spec = self.serving
             engine_lora = self.lora_backend.engine_kwargs(self.model)
+            # AQN's norms kept float32 by the plugin's load hook, as in a `qerl-trl vllm-serve` engine
+            overrides = engine_norm_overrides(spec.fp32_norm_names, engine_lora.pop("hf_overrides", None))
             t0 = time.perf_counter()
-            with fp32_norms_during_load(spec.fp32_norm_names):
-                llm = LLM(
-                    model=spec.checkpoint,
-                    tokenizer=spec.tokenizer,
-                    dtype=spec.dtype,
-                    tensor_parallel_size=self.tensor_parallel_size,
-                    gpu_memory_utilization=self.gpu_memory_utilization,
-                    max_model_len=self.max_model_length,
-                    max_num_seqs=self.max_num_seqs,
-                    enable_sleep_mode=self.enable_sleep_mode,
-                    model_impl=self.model_impl,
-                    distributed_executor_backend="external_launcher",
-                    seed=accelerator.process_index // self.tensor_parallel_size,
-                    max_num_batched_tokens=4096,
-                    logprobs_mode="processed_logprobs",
-                    trust_remote_code=self.trust_remote_code,
-                    enforce_eager=spec.enforce_eager,
-                    additional_config=compile_cache_marker(spec.fp32_norm_names, engine_lora.get("hf_overrides")),
-                    **engine_lora,
-                )
+            llm = LLM(
+                model=spec.checkpoint,
+                tokenizer=spec.tokenizer,
+                dtype=spec.dtype,
+                tensor_parallel_size=self.tensor_parallel_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                max_model_len=self.max_model_length,
+                max_num_seqs=self.max_num_seqs,
+                enable_sleep_mode=self.enable_sleep_mode,
+                model_impl=self.model_impl,
+                distributed_executor_backend="external_launcher",
+                seed=accelerator.process_index // self.tensor_parallel_size,
+                max_num_batched_tokens=4096,
+                logprobs_mode="processed_logprobs",
+                trust_remote_code=self.trust_remote_code,
+                enforce_eager=spec.enforce_eager,
+                hf_overrides=overrides,
+                additional_config=compile_cache_marker(spec.fp32_norm_names, overrides),
+                **engine_lora,
+            )
             self.engine_start_seconds = time.perf_counter() - t0
             logger.info("vLLM engine started in %.1f s (FP4 kernel: %s, LoRA backend: %s)", self.engine_start_seconds,
                         spec.fp4_kernel, spec.lora_backend)  # fmt: skip
