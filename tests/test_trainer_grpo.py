@@ -259,3 +259,22 @@ def test_a_reward_that_is_always_nan_is_warned_about_and_training_goes_on(tiny_c
     warned = [r.getMessage() for r in caplog.records if r.name == "qerl_trl.trainer.reward_watch"]
     assert len(warned) == 1  # once, then at most every REPEAT_EVERY steps
     assert warned[0].startswith("QeRL: step 0: every reward is NaN (4 completions; reward functions ['broken_reward'])")
+
+
+def test_the_policy_loads_onto_the_processs_own_gpu():
+    """Straight onto the process's GPU (one whole copy per DDP rank, as QLoRA is loaded), not onto the CPU first:
+    there a 16-bit checkpoint would be quantized by the CPU. The CPU where the process runs there."""
+    from types import SimpleNamespace
+
+    from qerl_trl.trainer.grpo_trainer import load_device_map
+
+    def state(kind, device):
+        return SimpleNamespace(distributed_type=kind, device=torch.device(device))
+
+    assert load_device_map(state("NO", "cuda:0")) == {"": torch.device("cuda:0")}
+    assert load_device_map(state("NO", "cuda:0"), "auto") == "auto"  # the user's own map, on one process
+    assert load_device_map(state("MULTI_GPU", "cuda:1")) == {"": torch.device("cuda:1")}
+    assert load_device_map(state("MULTI_GPU", "cuda:1"), "auto") == {"": torch.device("cuda:1")}  # not spread
+    assert load_device_map(state("NO", "cpu")) is None
+    assert load_device_map(state("MULTI_CPU", "cpu")) is None
+    assert load_device_map(state("DEEPSPEED", "cuda:0")) is None

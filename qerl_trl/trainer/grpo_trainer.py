@@ -59,6 +59,22 @@ def check_architecture(config: Any, model_class_name: str | None = None) -> str:
     return arch
 
 
+def load_device_map(state: Any, requested: Any = None) -> Any:
+    """Where the policy loads: straight onto this process's GPU, as QLoRA is loaded under DDP.
+
+    TRL 1.16 loads with ``device_map="auto"`` on one GPU and ``None`` (the CPU, then the Trainer moves it) under
+    DDP. On the CPU, a 16-bit checkpoint would be quantized to NVFP4 by the CPU (about 100M weights/s on 2 cores),
+    and the Trainer would move the model only after AQN's target trace. So: the process's own device under DDP
+    (one whole copy per rank; a map the user set would place it elsewhere), the user's ``device_map`` or the
+    process's device otherwise, and the CPU where the process runs on the CPU (``use_cpu``, CPU DDP) or under
+    DeepSpeed (refused by the config, kept as TRL does)."""
+    if state.distributed_type == "DEEPSPEED" or state.device.type in ("cpu", "mps"):
+        return None
+    if state.distributed_type == "MULTI_GPU" or requested is None:
+        return {"": state.device}
+    return requested
+
+
 def _base_model(model: nn.Module) -> nn.Module:
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -275,8 +291,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         kwargs = dict(args.model_init_kwargs or {})
         kwargs.setdefault("trust_remote_code", args.trust_remote_code)
         kwargs.setdefault("dtype", torch.bfloat16)
-        if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
-            kwargs["device_map"] = None
+        kwargs["device_map"] = load_device_map(args.distributed_state, kwargs.get("device_map"))
         config = AutoConfig.from_pretrained(
             model_id, revision=kwargs.get("revision"), trust_remote_code=kwargs["trust_remote_code"]
         )
