@@ -10,7 +10,7 @@ vLLM's model, so its noise never reached a rollout. Here the targets are found b
    (RMSNorm-like: a bias would break the ``Ŵ·diag(1 + z/w)`` equivalence);
 3. one tiny forward pass (4 tokens, no grad, eval mode) with hooks traces which Linear-like modules (anything
    with ``in_features``/``out_features``: ``nn.Linear``, ``NVFP4Linear``, PEFT LoRA layers) consume a norm's
-   output tensor (the projections return zeros meanwhile: their arithmetic is not needed, and on a CPU it is
+   output tensor (the projections return zeros meanwhile: their arithmetic is not needed, and on a CPU it takes
    minutes at 14B); a candidate that feeds at least one projection is a target, and ``feeds`` names the
    outermost consumers (``q_proj``, not ``q_proj.base_layer`` or ``q_proj.lora_A.default``).
 
@@ -120,8 +120,9 @@ def _projections_return_zeros(model: nn.Module) -> Iterator[None]:
     """While tracing, every outermost Linear-like module returns zeros of its output shape instead of computing.
 
     The trace needs which module consumes which tensor, not the projections' arithmetic, and that arithmetic is
-    the whole cost: the model is still on the CPU when the trainer traces it, where an NVFP4 forward dequantizes
-    every weight (a 14B model's 4-token trace took 155 s on the GPU machine's CPU). The pre-hooks still see each
+    the whole cost where the model is on the CPU (a model passed in, a CPU run), as an NVFP4 forward there
+    dequantizes every weight: a 14B model's 4-token trace took 155 s on the GPU machine's CPU, when the trainer
+    still loaded every policy onto the CPU. The pre-hooks still see each
     projection's input; modules inside a stubbed one (``base_layer``, ``lora_A``) are not called, and
     :func:`find_noise_targets` keeps only the outermost consumers anyway."""
 
