@@ -122,9 +122,9 @@ def _projections_return_zeros(model: nn.Module) -> Iterator[None]:
     The trace needs which module consumes which tensor, not the projections' arithmetic, and that arithmetic is
     the whole cost where the model is on the CPU (a model passed in, a CPU run), as an NVFP4 forward there
     dequantizes every weight: a 14B model's 4-token trace took 155 s on the GPU machine's CPU, when the trainer
-    still loaded every policy onto the CPU. The pre-hooks still see each
-    projection's input; modules inside a stubbed one (``base_layer``, ``lora_A``) are not called, and
-    :func:`find_noise_targets` keeps only the outermost consumers anyway."""
+    still loaded every policy onto the CPU. The pre-hooks still see each projection's input; modules inside a
+    stubbed one (``base_layer``, ``lora_A``) are not called, and :func:`find_noise_targets` keeps only the
+    outermost consumers anyway."""
 
     def zeros(module: nn.Module):
         def forward(*args, **kwargs):

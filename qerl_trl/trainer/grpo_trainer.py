@@ -63,8 +63,8 @@ def load_device_map(state: Any, requested: Any = None) -> Any:
     """Where the policy loads: straight onto this process's GPU, as QLoRA is loaded under DDP.
 
     TRL 1.16 loads with ``device_map="auto"`` on one GPU and ``None`` (the CPU, then the Trainer moves it) under
-    DDP. On the CPU, a 16-bit checkpoint would be quantized to NVFP4 by the CPU (about 100M weights/s on 2 cores),
-    and the Trainer would move the model only after AQN's target trace. So: the process's own device under DDP
+    DDP. On the CPU, a 16-bit checkpoint would be quantized to NVFP4 by the CPU, and the Trainer would move the model
+    only after AQN's target trace. So: the process's own device under DDP
     (one whole copy per rank; a map the user set would place it elsewhere), the user's ``device_map`` or the
     process's device otherwise, and the CPU where the process runs on the CPU (``use_cpu``, CPU DDP) or under
     DeepSpeed (refused by the config, kept as TRL does)."""

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ...vllm_plugin.fp32_norms import FP32_NORMS_KEY, cast_norms_to_fp32, copy_norms_in_place
+from ...vllm_plugin.fp32_norms import FP32_NORMS_KEY, cast_norms_to_fp32, copy_norms_in_place, install_fp32_norm_hook
 
 __all__ = ["cast_norms_to_fp32", "engine_norm_overrides", "push_norm_weights"]
 
@@ -27,8 +27,6 @@ def engine_norm_overrides(param_names: Iterable[str], hf_overrides: dict[str, An
     overrides = dict(hf_overrides or {})
     names = sorted(param_names)
     if names:
-        from ...vllm_plugin.fp32_norms import install_fp32_norm_hook
-
         install_fp32_norm_hook()
         overrides[FP32_NORMS_KEY] = names
     return overrides or None
