@@ -11,7 +11,7 @@ on every linear; vLLM colocate with one engine per rank or one TP=2 engine per p
 GPU's peak memory (NVML) and what must agree across ranks (:func:`attach_rank_recorder`): a hash of each round's
 AQN-noised norms, a hash of the LoRA after each optimizer step, and vLLM's log-prob gap to the trainer on each
 round; in server mode also what the server read each round and its FP4 base checksum before and after
-(:func:`attach_server_recorder`). The row of a mode: ``{mode, gpus, processes, tp, step_s, rollout_s, sync_s,
+(:func:`attach_server_recorder`). The row of a mode: ``{mode, gpus, processes, tp, step_s (min-max), rollout_s, sync_s,
 tokens_per_s, tokens_per_s_vs_1gpu, peak_gib_per_gpu, checks, status}``, medians over the steps after the first, the
 slowest rank's (tokens: all ranks'). A mode that fails (an OOM, a vLLM limit) is a row with its status; one cut off at
 ``--timeout`` also says how far each rank got (``progress``: trainer built, steps taken), and every mode's launcher
@@ -259,10 +259,12 @@ def summarize_mode(mode: str, ranks: list[dict], steps: int) -> dict:
         row["status"] = bad[0]["status"] if bad else f"failed: {len(ranks)} of {processes} ranks reported"
         row["traceback"] = (bad[0].get("traceback") if bad else None)
         return row
-    for key in ("step_s", "rollout_s", "sync_s"):
-        medians = [statistics.median(s[key] for s in (r["per_step"][1:] or r["per_step"])) for r in ranks]
-        row[key] = round(max(medians), 3)
     steady = [r["per_step"][1:] or r["per_step"] for r in ranks]
+    for key in ("step_s", "rollout_s", "sync_s"):
+        row[key] = round(max(statistics.median(s[key] for s in st) for st in steady), 3)
+    slowest = max(steady, key=lambda st: statistics.median(s["step_s"] for s in st))  # the rank step_s is from
+    row["step_s_min"] = round(min(s["step_s"] for s in slowest), 3)
+    row["step_s_max"] = round(max(s["step_s"] for s in slowest), 3)
     row["tokens_per_s"] = round(sum(statistics.median(s.get("tokens", 0) for s in st) for st in steady)
                                 / row["step_s"], 1)  # fmt: skip
     row["init_s"] = max(r["init_s"] for r in ranks)

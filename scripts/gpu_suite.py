@@ -14,6 +14,7 @@ server mode start ``vllm serve``, which needs the wheels of ``scripts/gpu-serve-
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -43,8 +44,9 @@ PARTS: dict[str, tuple[list[str], str]] = {
     "tensor_parallel": (["tests/test_tensor_parallel_gpu.py"], "TP=2 colocated engine, both LoRA backends: 2 GPUs"),
 }
 
-#: the committed record of the parts' runs on an H100 (``--record benchmarks/results`` writes it on one)
-RESULTS = os.path.join(REPO, "benchmarks", "results", "gpu_suite-h100.json")
+#: the committed records of the parts' runs, one file per GPU kind (``--record benchmarks/results`` writes the
+#: machine's own): ``--list`` shows each part's newest row over all of them, since parts run on H100s and H200s
+RESULTS = os.path.join(REPO, "benchmarks", "results", "gpu_suite-*.json")
 
 
 def pytest_args(part: str) -> list[str]:
@@ -96,12 +98,29 @@ def record(out_dir: str, part: str, rc: int, summary: str, seconds: float) -> st
     return write_result("gpu_suite", rows, out_dir, command)
 
 
-def _seen(row: dict | None) -> str:
-    """'passed in 278 s at a29dbda', 'not_run at a29dbda' (the status up to its reason), or 'not yet run'."""
-    if row is None:
+def _newest(pattern: str) -> dict[str, tuple[str, dict]]:
+    """Each part's newest row over the record files ``pattern`` matches, with its file's GPU tag. Newest by the row's
+    ``when`` (UTC, so it sorts as text); rows without one (a part not run) rank below any with one, later rows of a
+    file above earlier."""
+    newest: dict[str, tuple[str, dict]] = {}
+    for path in sorted(glob.glob(pattern)):
+        gpu = os.path.basename(path).removeprefix("gpu_suite-").removesuffix(".json")
+        for row in _rows(path):
+            seen = newest.get(row["part"])
+            if seen is None or (row.get("when") or "") >= (seen[1].get("when") or ""):
+                newest[row["part"]] = (gpu, row)
+    return newest
+
+
+def _seen(seen: tuple[str, dict] | None) -> str:
+    """'passed in 278 s at a29dbda (h100)', 'not_run at a29dbda (h100)' (the status up to its reason), or 'not yet
+    run'; '(h200, a selection)' where the row ran only some of the part's tests (a hand-merged row's ``selection``)."""
+    if seen is None:
         return "not yet run"
+    gpu, row = seen
     took = f" in {row['wall_s']:.0f} s" if row.get("wall_s") is not None else ""
-    return f"{row['status'].split(':')[0]}{took} at {str(row.get('commit'))[:7]}"
+    where = f"{gpu}, a selection" if row.get("selection") else gpu
+    return f"{row['status'].split(':')[0]}{took} at {str(row.get('commit'))[:7]} ({where})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", metavar="DIR", help="add the part's outcome and time to DIR/gpu_suite-<gpu>.json")
     a, rest = ap.parse_known_args(argv)
     if a.list or not a.part:
-        newest = {row["part"]: row for row in _rows(RESULTS)}  # the newest row of each part
+        newest = _newest(RESULTS)
         for name, (_, what) in PARTS.items():
-            print(f"{name:15s} {what:70s} {_seen(newest.get(name)):34s} pytest {' '.join(pytest_args(name))}")
+            print(f"{name:15s} {what:70s} {_seen(newest.get(name)):46s} pytest {' '.join(pytest_args(name))}")
         return 0
     rc, summary, seconds = _run_part(a.part, rest)
     if a.record:

@@ -84,13 +84,23 @@ def test_a_recorded_part_leaves_its_outcome_commit_and_time(tmp_path, monkeypatc
 
 
 def test_the_list_shows_each_parts_newest_record(tmp_path, monkeypatch, capsys):
-    record = tmp_path / "gpu_suite-h100.json"
-    rows = [{"part": "kernels", "status": "failed", "wall_s": 300.0, "commit": "1" * 40},
+    """Over every GPU's record file: a part run on an H200 after its H100 row shows the H200 row."""
+    h100 = [{"part": "kernels", "status": "failed", "wall_s": 300.0, "commit": "1" * 40},
             {"part": "kernels", "status": "passed", "wall_s": 278.4, "commit": "2" * 40},
-            {"part": "multi_gpu", "status": "not_run: needs 2 GPUs", "wall_s": None, "commit": "2" * 40}]  # fmt: skip
-    record.write_text(json.dumps({"rows": rows}))
-    monkeypatch.setattr(gpu_suite, "RESULTS", str(record))
+            {"part": "multi_gpu", "status": "not_run: needs 2 GPUs", "wall_s": None, "commit": "2" * 40},
+            {"part": "server", "status": "failed", "wall_s": 431.0, "commit": "2" * 40, "when": "2026-11-25T21:36"},
+            {"part": "learning", "status": "passed", "wall_s": 270.0, "commit": "4" * 40, "when": "2026-11-26T09:00"}]
+    h200 = [{"part": "multi_gpu", "status": "passed", "wall_s": 446.3, "commit": "3" * 40, "when": "2026-11-26T04:45"},
+            {"part": "server", "status": "passed", "wall_s": 201.4, "commit": "3" * 40, "when": "2026-11-26T02:35",
+             "selection": "-k qerl"},
+            {"part": "learning", "status": "failed", "wall_s": 9.0, "commit": "3" * 40, "when": "2026-11-26T01:00"}]
+    (tmp_path / "gpu_suite-h100.json").write_text(json.dumps({"rows": h100}))
+    (tmp_path / "gpu_suite-h200.json").write_text(json.dumps({"rows": h200}))
+    monkeypatch.setattr(gpu_suite, "RESULTS", str(tmp_path / "gpu_suite-*.json"))
     assert gpu_suite.main(["--list"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert "passed in 278 s at 2222222" in lines["kernels"]
-    assert "not_run at 2222222" in lines["multi_gpu"] and "not yet run" in lines["colocate"]
+    assert "passed in 278 s at 2222222 (h100)" in lines["kernels"]
+    assert "passed in 446 s at 3333333 (h200)" in lines["multi_gpu"]
+    assert "passed in 201 s at 3333333 (h200, a selection)" in lines["server"]
+    assert "passed in 270 s at 4444444 (h100)" in lines["learning"]
+    assert "not yet run" in lines["colocate"]

@@ -53,6 +53,9 @@ def _rank(rank, lora_shas, gaps=(0.01, 0.02), status="ok"):
 def test_a_mode_row_takes_the_slowest_rank_and_says_which_check_failed():
     ok = mg.summarize_mode("ddp2", [_rank(0, ["a", "b", "c"]), _rank(1, ["a", "b", "c"])], steps=3)
     assert ok["status"] == "ok" and ok["step_s"] == 2.0 and ok["peak_gib_per_gpu"] == [30.0, 30.0]
+    assert (ok["step_s_min"], ok["step_s_max"]) == (2.0, 2.0)  # rank 1's steps after the first: 2.0, 2.0, 2.0
+    one = mg.summarize_mode("1gpu", [_rank(0, ["a", "b", "c"])], steps=3)  # 1.0, 2.0, 1.0 after the first
+    assert (one["step_s"], one["step_s_min"], one["step_s_max"]) == (1.0, 1.0, 2.0)
     assert ok["checks"]["noise_free_logprob_gap_per_rank"] == [0.02, 0.02]  # the AQN round (0.3) is not judged
     drift = mg.summarize_mode("ddp2", [_rank(0, ["a", "b", "c"]), _rank(1, ["a", "x", "c"], gaps=(0.01, 0.4))], 3)
     assert drift["status"] == "check_failed: lora_same_on_every_rank, noise_free_logprob_gap_ok"

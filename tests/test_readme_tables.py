@@ -125,3 +125,27 @@ def test_the_multi_gpu_table_is_the_committed_rows():
         assert _close(NUMBER.search(cells[5]).group(), row["peak_gib_per_gpu"][0]), (cells, row)
     assert rows["ddp2"]["checks"]["lora_same_on_every_rank"] and rows["ddp2"]["checks"]["aqn_same_on_every_rank"]
     assert rows["server"]["checks"]["server_fp4_base_untouched"]
+
+
+def test_the_14b_tensor_parallel_table_is_the_committed_rows():
+    """Issue #39's ``tp2`` measurement: README's 14B table is the rows of ``multi_gpu-h200x2.json`` from the call the
+    paragraph above it names (both modes of one call, at its commit), row by row."""
+    ((before, header, body),) = _tables("| 14B layout |")
+    commit = re.findall(r"one device call at ([0-9a-f]{7})", before.rstrip().split("\n\n")[-1])[0]
+    modes = {"one GPU, colocate": "1gpu", "TP x2, colocate (one engine over both GPUs)": "tp2"}
+    rows = {r["mode"]: r for r in _rows("multi_gpu-h200x2.json")
+            if r["commit"].startswith(commit) and r.get("size") == "14b" and r.get("tokens_per_s")}  # fmt: skip
+    assert set(rows) == {"1gpu", "tp2"}, f"multi_gpu-h200x2.json holds no measured 1gpu and tp2 rows at {commit}"
+    assert len({r["command"] for r in rows.values()}) == 1  # one call: the ratio's baseline is from the same run
+    assert header == ["14B layout", "GPUs", "step (s)", "completion tokens/s", "vs one GPU", "peak GiB per GPU",
+                      "trainer start (s)"]  # fmt: skip
+    assert len(body) == 2
+    for cells in body:
+        row = rows[modes[cells[0]]]
+        assert int(cells[1]) == row["gpus"], cells
+        assert _close(cells[2], row["step_s"]) and _close(cells[3], row["tokens_per_s"]), (cells, row)
+        assert _close(cells[4].rstrip("x"), row["tokens_per_s_vs_1gpu"]), (cells, row)
+        assert _close(cells[5], max(row["peak_gib_per_gpu"])) and _close(cells[6], row["init_s"]), (cells, row)
+    tp2 = rows["tp2"]["checks"]
+    assert tp2["lora_same_on_every_rank"] and tp2["aqn_same_on_every_rank"] and tp2["noise_free_logprob_gap_ok"]
+    assert rows["tp2"]["status"] == "ok"
