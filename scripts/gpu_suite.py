@@ -3,24 +3,35 @@
     python scripts/gpu_suite.py --list          # the parts and their tests
     python scripts/gpu_suite.py kernels         # one part (extra arguments go to pytest)
     python scripts/gpu_suite.py kernels --record benchmarks/results   # and add its outcome and time to the record
+    python scripts/gpu_suite.py --lanes learning,vllm_layers checkpoint_32b,real_shape_32b --record DIR
+        # on a machine of several GPUs: each lane's parts in order on its own GPU, the lanes side by side
 
 Every GPU test belongs to exactly one part (``tests/test_gpu_suite.py`` checks it on CPU), so running every part
 at one commit is running the whole suite there. A part runs pytest with ``-m "gpu or vllm"`` and its files. Run them
 in the order listed on one machine: ``real_shape_32b`` reuses the checkpoint ``checkpoint_32b`` writes under
 ``$QERL_E2E_WORK`` (alone, it writes it first and takes longer). The ``server`` part and ``benchmarks/multi_gpu.py``'s
 server mode start ``vllm serve``, which needs the wheels of ``scripts/gpu-serve-wheels.txt`` in the device bundle.
+
+Why lanes: a 2-GPU machine counts its held time in full, a one-GPU machine (here) at a share, and the one-GPU parts
+take longer together than one machine is held; on two GPUs side by side they take about half the wall time, in one
+bundle upload. Lane ``i`` sees only GPU ``i`` (``CUDA_VISIBLE_DEVICES``; ``server`` then shares that GPU with its
+trainer) and gets its own ``QERL_E2E_WORK``; its output goes to ``gpu_suite-lane<i>.log`` in the record directory (or
+the working directory), and each row notes its lane. A lane's wall times are not those of a machine to itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from typing import TextIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,36 +77,102 @@ def _rows(path: str) -> list[dict]:
 SUMMARY = re.compile(r"\b(passed|failed|errors?|no tests ran)\b.* in \d+(\.\d+)?s\b")
 
 
-def _run_part(part: str, rest: list[str]) -> tuple[int, str, float]:
-    """Runs the part's pytest, echoing its output; returns (exit code, pytest's summary line, seconds)."""
+def _run_part(part: str, rest: list[str], env: dict[str, str] | None = None,
+              out: TextIO | None = None) -> tuple[int, str, float]:
+    """Runs the part's pytest (in ``env``), echoing its output to ``out`` (stdout); returns (exit code, pytest's
+    summary line, seconds)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args(part), *rest]
+    out = out or sys.stdout
     t0 = time.monotonic()
     last = ""
-    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env) as proc:  # fmt: skip
         assert proc.stdout is not None
         for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            out.write(line)
+            out.flush()
             if SUMMARY.search(line):  # not simply the last line: NCCL and vLLM print warnings after pytest's summary
                 last = line.strip()
     return proc.returncode, last.strip("= "), time.monotonic() - t0
 
 
-def record(out_dir: str, part: str, rc: int, summary: str, seconds: float) -> str:
+@functools.cache
+def _gpu_uuid(device: int) -> str | None:
+    """GPU ``device``'s UUID (None without CUDA). Cached: :func:`run_lanes` reads every lane's before any part
+    starts, so that this process touches no GPU while a lane's vLLM engine measures its free memory."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).uuid) if torch.cuda.is_available() else None
+
+
+def record(out_dir: str, part: str, rc: int, summary: str, seconds: float, device: int = 0,
+           note: str | None = None) -> str:
     """Adds the part's row to ``<out_dir>/gpu_suite-<gpu>.json`` (a later row of the same part and commit replaces
-    it); returns the path. Written so that a suite run leaves what passed, at which commit, on which GPU, and how
-    long each part took, rather than a timing copied into a docstring by hand."""
+    it); returns the path. Written so that a suite run leaves what passed, at which commit, on which GPU (``device``:
+    its index in this process), and how long each part took, rather than a timing copied into a docstring by hand."""
     sys.path.insert(0, REPO)
-    from benchmarks._common import git_commit, gpu_tag, gpu_uuid, write_result  # torch: only on a recording run
+    from benchmarks._common import git_commit, gpu_tag, write_result  # torch: only on a recording run
 
     commit = git_commit()
     row = {"part": part, "status": "passed" if rc == 0 else "failed", "rc": rc, "summary": summary,
-           "wall_s": round(seconds, 1), "commit": commit, "gpu_uuid": gpu_uuid(),
+           "wall_s": round(seconds, 1), "commit": commit, "gpu_uuid": _gpu_uuid(device),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    if note:
+        row["note"] = note
     path = os.path.join(out_dir, f"gpu_suite-{gpu_tag()}.json")
     rows = [r for r in _rows(path) if not (r["part"] == part and r["commit"] == commit)] + [row]
     command = "python scripts/gpu_suite.py PART --record " + out_dir + " (one row per part)"
     return write_result("gpu_suite", rows, out_dir, command)
+
+
+#: what a lane's pytest must not inherit: another lane's GPUs and rendezvous (TRL 1.16 picks a free port when
+#: ``MASTER_PORT`` is unset), and the scratch directory the 32B parts share within a lane
+_LANE_DROPS = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+               "LOCAL_WORLD_SIZE", "QERL_E2E_WORK")  # fmt: skip
+
+
+def lane_env(parent: dict[str, str], lane: int, work_root: str) -> dict[str, str]:
+    """Lane ``lane``'s environment: ``parent`` without :data:`_LANE_DROPS`, on GPU ``lane`` alone, with its own
+    ``QERL_E2E_WORK`` under ``work_root``."""
+    env = {k: v for k, v in parent.items() if k not in _LANE_DROPS}
+    env.update(CUDA_VISIBLE_DEVICES=str(lane), QERL_E2E_WORK=os.path.join(work_root, f"lane{lane}"))
+    return env
+
+
+def run_lanes(lanes: list[list[str]], rest: list[str], record_dir: str | None) -> int:
+    """Runs each lane's parts in order on its own GPU, the lanes side by side (threads waiting on pytest processes);
+    returns 0 when every part passed. Rows are recorded as each part ends (one lock: one record file)."""
+    import threading
+
+    log_dir = record_dir or os.getcwd()
+    os.makedirs(log_dir, exist_ok=True)
+    work_root = os.environ.get("QERL_E2E_WORK") or os.path.join(tempfile.gettempdir(), "qerl-e2e")
+    lock = threading.Lock()
+    codes: list[int] = []
+    if record_dir:
+        for i in range(len(lanes)):
+            _gpu_uuid(i)
+
+    def lane(i: int, parts: list[str]) -> None:
+        beside = "; ".join(",".join(p) for j, p in enumerate(lanes) if j != i)
+        with open(os.path.join(log_dir, f"gpu_suite-lane{i}.log"), "w") as log:
+            for part in parts:
+                rc, summary, seconds = _run_part(part, rest, env=lane_env(dict(os.environ), i, work_root), out=log)
+                with lock:
+                    codes.append(rc)
+                    where = ""
+                    if record_dir:
+                        note = f"lane {i} of {len(lanes)} (GPU {i}; beside it: {beside})"
+                        where = " -> " + record(record_dir, part, rc, summary, seconds, device=i, note=note)
+                    print(f"gpu_suite: lane {i}: {part} {summary!r} in {seconds:.0f} s{where}", flush=True)
+
+    threads = [threading.Thread(target=lane, args=(i, parts)) for i, parts in enumerate(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ran_all = len(codes) == sum(len(parts) for parts in lanes)  # a lane whose thread died did not pass
+    return 0 if ran_all and all(c == 0 for c in codes) else 1
 
 
 def _newest(pattern: str) -> dict[str, tuple[str, dict]]:
@@ -128,7 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("part", nargs="?", choices=list(PARTS))
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--record", metavar="DIR", help="add the part's outcome and time to DIR/gpu_suite-<gpu>.json")
+    ap.add_argument("--lanes", nargs="+", metavar="PART,PART", help="one comma-separated list of parts per GPU: "
+                    "each list in order on its own GPU, the lists side by side")  # fmt: skip
     a, rest = ap.parse_known_args(argv)
+    if a.lanes:
+        lanes = [[p for p in lane.split(",") if p] for lane in a.lanes]
+        unknown = sorted({p for lane in lanes for p in lane} - set(PARTS))
+        if a.part or unknown or not all(lanes):
+            ap.error(f"--lanes takes comma-separated parts of {', '.join(PARTS)} and no PART"
+                     + (f"; unknown: {', '.join(unknown)}" if unknown else ""))  # fmt: skip
+        return run_lanes(lanes, rest, a.record)
     if a.list or not a.part:
         newest = _newest(RESULTS)
         for name, (_, what) in PARTS.items():

@@ -104,3 +104,70 @@ def test_the_list_shows_each_parts_newest_record(tmp_path, monkeypatch, capsys):
     assert "passed in 201 s at 3333333 (h200, a selection)" in lines["server"]
     assert "passed in 270 s at 4444444 (h100)" in lines["learning"]
     assert "not yet run" in lines["colocate"]
+
+
+def test_lanes_run_their_parts_in_order_each_on_its_own_gpu(tmp_path, monkeypatch, capsys):
+    """``--lanes a,b c``: lane 0 runs a then b on GPU 0, lane 1 runs c on GPU 1 at the same time, each with its own
+    scratch directory and no inherited rendezvous; every part is a row naming its lane, and one failure fails all."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(textwrap.dedent(f"""
+        import os
+        import time
+
+        import pytest
+
+
+        @pytest.mark.gpu
+        def test_probe(request):
+            name = request.config.getoption("markexpr") + "-" + str(time.monotonic_ns())
+            env = {{k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "QERL_E2E_WORK", "MASTER_PORT")}}
+            start = time.time()
+            time.sleep(2.0)
+            env["span"] = (start, time.time())
+            open(os.path.join({str(seen)!r}, env["CUDA_VISIBLE_DEVICES"] + "-" + name), "w").write(repr(env))
+            assert os.environ.get("QERL_PROBE_FAIL") != env["CUDA_VISIBLE_DEVICES"]
+    """))
+    for name in ("p1", "p2", "p3"):
+        monkeypatch.setitem(gpu_suite.PARTS, name, ([str(probe)], "a probe"))
+    monkeypatch.setenv("QERL_COMMIT", "b" * 40)
+    monkeypatch.setenv("MASTER_PORT", "29500")  # a parent's rendezvous: no lane may inherit it
+    monkeypatch.setenv("QERL_E2E_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+
+    assert gpu_suite.main(["--lanes", "p1,p2", "p3", "--record", str(out)]) == 0
+    envs = {path.name.split("-")[0]: [] for path in seen.iterdir()}
+    for path in seen.iterdir():
+        envs[path.name.split("-")[0]].append(eval(path.read_text()))  # noqa: S307 - our own repr of a dict
+    assert sorted(envs) == ["0", "1"] and len(envs["0"]) == 2 and len(envs["1"]) == 1
+    for lane, runs in envs.items():
+        for env in runs:
+            work = str(tmp_path / "work" / f"lane{lane}")
+            assert {k: v for k, v in env.items() if k != "span"} == {
+                "CUDA_VISIBLE_DEVICES": lane, "MASTER_PORT": None, "QERL_E2E_WORK": work}
+    first, second = sorted(env["span"] for env in envs["0"])
+    assert first[1] <= second[0]  # lane 0: p1, then p2
+    (p3,) = [env["span"] for env in envs["1"]]
+    assert p3[0] < second[1] and first[0] < p3[1]  # lane 1 ran while lane 0 did: side by side
+    (record,) = [p for p in out.iterdir() if p.suffix == ".json"]
+    rows = json.loads(record.read_text())["rows"]
+    assert sorted(r["part"] for r in rows) == ["p1", "p2", "p3"] and all(r["status"] == "passed" for r in rows)
+    notes = {r["part"]: r["note"] for r in rows}
+    assert notes["p1"].startswith("lane 0 of 2") and "beside it: p3" in notes["p1"]
+    assert notes["p3"].startswith("lane 1 of 2") and "beside it: p1,p2" in notes["p3"]
+    assert "1 passed" in (out / "gpu_suite-lane0.log").read_text()  # each lane's pytest output in its own log
+    assert "gpu_suite: lane 1: p3" in capsys.readouterr().out
+
+    monkeypatch.setenv("QERL_PROBE_FAIL", "1")  # lane 1's part fails: the run fails, lane 0's parts still ran
+    assert gpu_suite.main(["--lanes", "p1", "p3", "--record", str(out)]) == 1
+    rows = {r["part"]: r for r in json.loads(record.read_text())["rows"]}
+    assert rows["p3"]["status"] == "failed" and rows["p1"]["status"] == "passed"
+
+
+def test_lanes_refuse_an_unknown_part_before_running_any(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        gpu_suite.main(["--lanes", "kernels,no_such_part", "learning"])
+    assert "unknown: no_such_part" in capsys.readouterr().err
