@@ -109,6 +109,13 @@ def test_the_step_table_is_the_json_rows_of_the_runs_it_names():
         assert _close(NUMBER.findall(cells[6])[0], row["speedup_vs_trl_bf16"]), (run, arm, cells[6])
 
 
+def _assert_layout_cells(cells: list[str], row: dict) -> None:
+    """A several-GPU table's first five cells (layout, GPUs, step, tokens/s, vs one GPU) are ``row``'s."""
+    assert int(cells[1]) == row["gpus"], cells
+    assert _close(cells[2], row["step_s"]) and _close(cells[3], row["tokens_per_s"]), (cells, row)
+    assert _close(cells[4].rstrip("x"), row["tokens_per_s_vs_1gpu"]), (cells, row)
+
+
 def test_the_multi_gpu_table_is_the_committed_rows():
     """Issue #39: README's several-GPU table is ``multi_gpu-h100x2.json`` (one device call), row by row."""
     modes = {"one GPU, colocate": "1gpu", "DDP x2, colocate": "ddp2",
@@ -119,9 +126,7 @@ def test_the_multi_gpu_table_is_the_committed_rows():
     assert len(body) == 3
     for cells in body:
         row = rows[modes[cells[0]]]
-        assert int(cells[1]) == row["gpus"], cells
-        assert _close(cells[2], row["step_s"]) and _close(cells[3], row["tokens_per_s"]), (cells, row)
-        assert _close(cells[4].rstrip("x"), row["tokens_per_s_vs_1gpu"]), (cells, row)
+        _assert_layout_cells(cells, row)
         assert _close(NUMBER.search(cells[5]).group(), row["peak_gib_per_gpu"][0]), (cells, row)
     assert rows["ddp2"]["checks"]["lora_same_on_every_rank"] and rows["ddp2"]["checks"]["aqn_same_on_every_rank"]
     assert rows["server"]["checks"]["server_fp4_base_untouched"]
@@ -142,9 +147,7 @@ def test_the_14b_tensor_parallel_table_is_the_committed_rows():
     assert len(body) == 2
     for cells in body:
         row = rows[modes[cells[0]]]
-        assert int(cells[1]) == row["gpus"], cells
-        assert _close(cells[2], row["step_s"]) and _close(cells[3], row["tokens_per_s"]), (cells, row)
-        assert _close(cells[4].rstrip("x"), row["tokens_per_s_vs_1gpu"]), (cells, row)
+        _assert_layout_cells(cells, row)
         assert _close(cells[5], max(row["peak_gib_per_gpu"])) and _close(cells[6], row["init_s"]), (cells, row)
     tp2 = rows["tp2"]["checks"]
     assert tp2["lora_same_on_every_rank"] and tp2["aqn_same_on_every_rank"] and tp2["noise_free_logprob_gap_ok"]
