@@ -132,10 +132,12 @@ _LANE_DROPS = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "RANK", "LO
 
 
 def lane_env(parent: dict[str, str], lane: int, work_root: str) -> dict[str, str]:
-    """Lane ``lane``'s environment: ``parent`` without :data:`_LANE_DROPS`, on GPU ``lane`` alone, with its own
-    ``QERL_E2E_WORK`` under ``work_root``."""
+    """Lane ``lane``'s environment: ``parent`` without :data:`_LANE_DROPS`, on the parent's GPU ``lane`` alone (the
+    ``lane``-th of its ``CUDA_VISIBLE_DEVICES``, if set), with its own ``QERL_E2E_WORK`` under ``work_root``."""
+    visible = [d.strip() for d in parent.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     env = {k: v for k, v in parent.items() if k not in _LANE_DROPS}
-    env.update(CUDA_VISIBLE_DEVICES=str(lane), QERL_E2E_WORK=os.path.join(work_root, f"lane{lane}"))
+    env.update(CUDA_VISIBLE_DEVICES=visible[lane] if visible else str(lane),
+               QERL_E2E_WORK=os.path.join(work_root, f"lane{lane}"))  # fmt: skip
     return env
 
 
@@ -150,6 +152,11 @@ def run_lanes(lanes: list[list[str]], rest: list[str], record_dir: str | None) -
     lock = threading.Lock()
     codes: list[int] = []
     if record_dir:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() < len(lanes):
+            raise SystemExit(f"gpu_suite: {len(lanes)} lanes need {len(lanes)} GPUs; this machine shows "
+                             f"{torch.cuda.device_count()}")  # fmt: skip
         for i in range(len(lanes)):
             _gpu_uuid(i)
 

@@ -171,3 +171,10 @@ def test_lanes_refuse_an_unknown_part_before_running_any(capsys):
     with pytest.raises(SystemExit):
         gpu_suite.main(["--lanes", "kernels,no_such_part", "learning"])
     assert "unknown: no_such_part" in capsys.readouterr().err
+
+
+def test_a_lane_takes_the_parents_gpu_of_its_index():
+    """Under ``CUDA_VISIBLE_DEVICES=2,3`` lane 1 is physical GPU 3, not 1; without it, GPU 1."""
+    env = gpu_suite.lane_env({"CUDA_VISIBLE_DEVICES": "2,3", "MASTER_PORT": "29500", "PATH": "/bin"}, 1, "/w")
+    assert env == {"CUDA_VISIBLE_DEVICES": "3", "QERL_E2E_WORK": "/w/lane1", "PATH": "/bin"}
+    assert gpu_suite.lane_env({}, 1, "/w")["CUDA_VISIBLE_DEVICES"] == "1"
