@@ -18,12 +18,12 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def gpu_uuid() -> str | None:
-    """The GPU's UUID (one physical device), written into every row: rows of two device calls can then be shown to
-    have run on the same machine. None without CUDA."""
+def gpu_uuid(device: int = 0) -> str | None:
+    """GPU ``device``'s UUID (one physical device), written into every row: rows of two device calls can then be
+    shown to have run on the same machine. None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    return str(torch.cuda.get_device_properties(0).uuid)
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def keep_runs(rows: list[dict], new: list[dict], key, is_baseline=None) -> list[dict]:

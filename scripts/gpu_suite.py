@@ -22,7 +22,6 @@ the working directory), and each row notes its lane. A lane's wall times are not
 from __future__ import annotations
 
 import argparse
-import functools
 import glob
 import json
 import os
@@ -96,26 +95,18 @@ def _run_part(part: str, rest: list[str], env: dict[str, str] | None = None,
     return proc.returncode, last.strip("= "), time.monotonic() - t0
 
 
-@functools.cache
-def _gpu_uuid(device: int) -> str | None:
-    """GPU ``device``'s UUID (None without CUDA). Cached: :func:`run_lanes` reads every lane's before any part
-    starts, so that this process touches no GPU while a lane's vLLM engine measures its free memory."""
-    import torch
-
-    return str(torch.cuda.get_device_properties(device).uuid) if torch.cuda.is_available() else None
-
-
-def record(out_dir: str, part: str, rc: int, summary: str, seconds: float, device: int = 0,
+def record(out_dir: str, part: str, rc: int, summary: str, seconds: float, uuid: str | None = None,
            note: str | None = None) -> str:
     """Adds the part's row to ``<out_dir>/gpu_suite-<gpu>.json`` (a later row of the same part and commit replaces
-    it); returns the path. Written so that a suite run leaves what passed, at which commit, on which GPU (``device``:
-    its index in this process), and how long each part took, rather than a timing copied into a docstring by hand."""
+    it); returns the path. Written so that a suite run leaves what passed, at which commit, on which GPU (``uuid``:
+    by default this process's first GPU's), and how long each part took, rather than a timing copied into a docstring
+    by hand."""
     sys.path.insert(0, REPO)
-    from benchmarks._common import git_commit, gpu_tag, write_result  # torch: only on a recording run
+    from benchmarks._common import git_commit, gpu_tag, gpu_uuid, write_result  # torch: only on a recording run
 
     commit = git_commit()
     row = {"part": part, "status": "passed" if rc == 0 else "failed", "rc": rc, "summary": summary,
-           "wall_s": round(seconds, 1), "commit": commit, "gpu_uuid": _gpu_uuid(device),
+           "wall_s": round(seconds, 1), "commit": commit, "gpu_uuid": uuid or gpu_uuid(),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     if note:
         row["note"] = note
@@ -151,14 +142,16 @@ def run_lanes(lanes: list[list[str]], rest: list[str], record_dir: str | None) -
     work_root = os.environ.get("QERL_E2E_WORK") or os.path.join(tempfile.gettempdir(), "qerl-e2e")
     lock = threading.Lock()
     codes: list[int] = []
-    if record_dir:
-        import torch
+    sys.path.insert(0, REPO)
+    import torch
 
-        if torch.cuda.is_available() and torch.cuda.device_count() < len(lanes):
-            raise SystemExit(f"gpu_suite: {len(lanes)} lanes need {len(lanes)} GPUs; this machine shows "
-                             f"{torch.cuda.device_count()}")  # fmt: skip
-        for i in range(len(lanes)):
-            _gpu_uuid(i)
+    from benchmarks._common import gpu_uuid
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < len(lanes):
+        raise SystemExit(f"gpu_suite: {len(lanes)} lanes need {len(lanes)} GPUs; this machine shows "
+                         f"{torch.cuda.device_count()}")  # fmt: skip
+    # read before any part starts: this process then touches no GPU while a lane's vLLM engine measures free memory
+    uuids = [gpu_uuid(i) for i in range(len(lanes))]
 
     def lane(i: int, parts: list[str]) -> None:
         beside = "; ".join(",".join(p) for j, p in enumerate(lanes) if j != i)
@@ -170,7 +163,7 @@ def run_lanes(lanes: list[list[str]], rest: list[str], record_dir: str | None) -
                     where = ""
                     if record_dir:
                         note = f"lane {i} of {len(lanes)} (GPU {i}; beside it: {beside})"
-                        where = " -> " + record(record_dir, part, rc, summary, seconds, device=i, note=note)
+                        where = " -> " + record(record_dir, part, rc, summary, seconds, uuid=uuids[i], note=note)
                     print(f"gpu_suite: lane {i}: {part} {summary!r} in {seconds:.0f} s{where}", flush=True)
 
     threads = [threading.Thread(target=lane, args=(i, parts)) for i, parts in enumerate(lanes)]
