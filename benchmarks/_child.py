@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ChildResult", "accelerate_launch", "free_port", "run_child"]
+__all__ = ["ChildResult", "accelerate_launch", "free_port", "run_child", "visible_gpu"]
 
 #: characters of a child's output kept for a failed row
 LOG_TAIL = 8000
@@ -31,6 +31,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def visible_gpu(index: int, environ: Mapping[str, str] | None = None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` that gives a child this process's GPU ``index``: the ``index``-th entry of this
+    process's own list when it has one (under ``CUDA_VISIBLE_DEVICES=2,3``, GPU 1 is ``"3"``), else ``index``. A
+    bare index would put the child on the machine's GPU of that number, beside whatever runs there: a GPU-suite
+    lane's server test once ran its trainer and server on the other lane's GPU."""
+    listed = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return str(index)
+    visible = [d.strip() for d in listed.split(",") if d.strip()]
+    if index >= len(visible):
+        raise ValueError(f"GPU {index} asked for, but CUDA_VISIBLE_DEVICES={listed!r} shows {len(visible)}")
+    return visible[index]
 
 
 def accelerate_launch(script: str, args: Sequence[str], processes: int, launcher: Sequence[str] = ()) -> list[str]:
@@ -58,9 +72,19 @@ class ChildResult:
         return "oom: " + status if "out of memory" in self.log.lower() else status
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to ``proc``'s process group (it leads its own session), and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_child(cmd: Sequence[str], timeout: float, *, log_path: str | None = None,
               env: Mapping[str, str] | None = None) -> ChildResult:  # fmt: skip
-    """Run ``cmd`` (its output to ``log_path`` when given, else kept in memory) for at most ``timeout`` seconds."""
+    """Run ``cmd`` (its output to ``log_path`` when given, else kept in memory) for at most ``timeout`` seconds. Its
+    whole process group is killed at the limit, and when this process is interrupted while waiting."""
     t0 = time.perf_counter()
     sink = open(log_path, "w") if log_path else subprocess.PIPE  # noqa: SIM115 - closed below
     try:
@@ -73,6 +97,9 @@ def run_child(cmd: Sequence[str], timeout: float, *, log_path: str | None = None
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
             timed_out = True
+        except BaseException:  # interrupted (Ctrl-C, the GPU suite's SIGTERM): its vLLM engine must not outlive us
+            _kill_group(proc)
+            raise
     finally:
         if log_path:
             sink.close()

@@ -58,6 +58,8 @@ DEFAULT_ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora")
 SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b"}
 #: vLLM's share of the GPU, the same for every arm of a size (what a BF16 engine needs for weights + KV cache).
 GPU_MEMORY_UTILIZATION = {"1.5b": 0.3, "7b": 0.35, "14b": 0.55, "32b": 0.45}
+#: an H100 80GB's memory as torch reports it (about): ``--card-gib`` for "would this fit an 80 GB card"
+H100_80GB_GIB = 79.2
 PROMPT_TOKENS = 128
 LORA_R, LORA_ALPHA = 32, 64
 #: completions per micro-batch (fwd/bwd): ~5k tokens each
@@ -220,8 +222,24 @@ def _reward(completions, **kwargs):
     return [float(zlib.crc32(t.encode()) % 1000) / 1000.0 for t in texts]
 
 
-def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int = 1, overrides: dict | None = None):
-    """The arm's trainer; ``overrides``: further QeRLGRPOConfig options of a QeRL arm (multi_gpu.py's server mode)."""
+def vllm_memory_utilization(size: str, card_gib: float | None = None) -> float:
+    """vLLM's share of this GPU for ``size``. With ``card_gib``, on a larger card, the share that gives vLLM the GiB
+    it would get on a card of ``card_gib``: vLLM sizes its KV cache as a fraction of the whole card, so the same
+    fraction on a 141 GB H200 holds 27 GiB more at 32B than on an 80 GB H100, and the peak says nothing about the
+    smaller card."""
+    share = GPU_MEMORY_UTILIZATION[size]
+    if card_gib is None:
+        return share
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else card_gib
+    return round(share * min(1.0, card_gib / total), 4)
+
+
+def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int = 1, overrides: dict | None = None,
+                  card_gib: float | None = None):
+    """The arm's trainer; ``overrides``: further QeRLGRPOConfig options of a QeRL arm (multi_gpu.py's server mode);
+    ``card_gib``: size vLLM's share as on a card of that many GiB (:func:`vllm_memory_utilization`)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -258,7 +276,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         generation_kwargs=({"ignore_eos": True} if spec.generation == "vllm"
                            else {"min_new_tokens": spec.completion_len}),
         vllm_mode="colocate",
-        vllm_gpu_memory_utilization=GPU_MEMORY_UTILIZATION[spec.size],
+        vllm_gpu_memory_utilization=vllm_memory_utilization(spec.size, card_gib),
         vllm_max_model_length=PROMPT_TOKENS + spec.completion_len + 16,
         vllm_enable_sleep_mode=spec.sleep,
         vllm_tensor_parallel_size=tp,
@@ -313,22 +331,25 @@ def unrunnable(spec: RowSpec) -> str | None:
     return f"not_run: a 32B BF16 checkpoint (65 GB) does not fit the GPU machine's 64 GiB disk, {why}"
 
 
-def run_row(spec: RowSpec, work: str, steps: int) -> dict:
-    """Build the arm's trainer, train ``steps`` steps, return the row (in this process)."""
+def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None) -> dict:
+    """Build the arm's trainer, train ``steps`` steps, return the row (in this process); ``card_gib``: see
+    :func:`vllm_memory_utilization` (the row keeps it and the share it gave)."""
     import torch
     from transformers import TrainerCallback
 
     row: dict[str, Any] = dict(size=spec.size, arm=spec.arm, prompts=spec.prompts, generations=spec.generations,
                                completion_len=spec.completion_len, sleep=spec.sleep, generation=spec.generation,
                                prompt_len=PROMPT_TOKENS, lora_r=LORA_R, steps=steps,
-                               vllm_gpu_memory_utilization=GPU_MEMORY_UTILIZATION[spec.size])
+                               vllm_gpu_memory_utilization=vllm_memory_utilization(spec.size, card_gib))
+    if card_gib is not None:
+        row["card_gib"] = card_gib
     if why := unrunnable(spec):
         row["status"] = why
         return row
     t0 = time.perf_counter()
     mem = _PeakMemory()
     try:
-        trainer = build_trainer(spec, work, steps)
+        trainer = build_trainer(spec, work, steps, card_gib=card_gib)
         row["init_s"] = round(time.perf_counter() - t0, 1)
         gen = getattr(trainer, "vllm_generation", None) if spec.generation == "vllm" else None
         if spec.arm in QERL_ARMS and gen is not None:  # "auto" resolved on this machine (Humming or Marlin)
@@ -388,15 +409,16 @@ def run_row(spec: RowSpec, work: str, steps: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ driver (parent)
-def _child(spec: RowSpec, work: str, steps: int, out: str) -> None:
+def _child(spec: RowSpec, work: str, steps: int, out: str, card_gib: float | None = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    row = run_row(spec, work, steps)
+    row = run_row(spec, work, steps, card_gib)
     with open(out, "w") as f:
         json.dump(row, f, default=str)
 
 
-def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float, run: str) -> list[dict]:
+def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float, run: str,
+               card_gib: float | None = None) -> list[dict]:  # fmt: skip
     """Each spec in its own child process, one after another; every row is appended to ``jsonl`` as it finishes,
     tagged with ``run``."""
     from benchmarks._child import run_child
@@ -425,6 +447,8 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
             else:
                 cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(spec)), "--work", work,
                        "--steps", str(steps), "--row-out", out]
+                if card_gib is not None:
+                    cmd += ["--card-gib", str(card_gib)]
                 res = run_child(cmd, timeout)
                 if not res.timed_out and os.path.exists(out):
                     with open(out) as f:
@@ -491,6 +515,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--jsonl", default=None, help="append each row here as it finishes (default: <out-dir>/e2e_step-rows.jsonl)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per row before it is recorded as a timeout")
+    ap.add_argument("--card-gib", type=float, default=None, help="on a larger GPU, give vLLM the memory it would "
+                    f"get on a card of this many GiB (e.g. {H100_80GB_GIB}: does the row fit an 80 GB H100)")
     ap.add_argument("--list", action="store_true", help="print the matrix and exit")
     ap.add_argument("--merge", nargs="*", help="JSONL files of rows to merge into <out-dir>/e2e_step-<gpu>.json")
     ap.add_argument("--gpu-tag", default=None, help="with --merge: the GPU tag of the rows (default: this machine's)")
@@ -512,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(prepare_checkpoints(a.work, a.prepare, a.with_bf16)))
         return
     if a.child:
-        _child(RowSpec(**json.loads(a.child)), a.work, a.steps, a.row_out)
+        _child(RowSpec(**json.loads(a.child)), a.work, a.steps, a.row_out, a.card_gib)
         return
     specs = select(default_matrix(a.arms or DEFAULT_ARMS), a.sizes, a.arms, a.only)
     if a.list:
@@ -533,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
 
     run = new_run_id()
     write_meta(jsonl, run)
-    rows = run_matrix(specs, a.work, a.steps, jsonl, a.timeout, run)
+    rows = run_matrix(specs, a.work, a.steps, jsonl, a.timeout, run, a.card_gib)
     add_speedups(rows)
     from benchmarks._common import write_result
 

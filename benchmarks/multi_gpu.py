@@ -309,7 +309,7 @@ def _set_status(row: dict) -> None:
 def start_server(spec, work: str, gpu: int, fp4_kernel: str, log_path: str) -> tuple[subprocess.Popen, str]:
     """``qerl-trl vllm-serve`` on GPU ``gpu`` for this spec's QeRL arm; returns the process and its URL."""
     from benchmarks import e2e_step as e2e
-    from benchmarks._child import free_port
+    from benchmarks._child import free_port, visible_gpu
     from qerl_trl.trainer.vllm_serving.server_command import vllm_serve_command
 
     port = free_port()
@@ -320,7 +320,7 @@ def start_server(spec, work: str, gpu: int, fp4_kernel: str, log_path: str) -> t
         extra=["--max-num-seqs", str(spec.prompts * spec.generations), "--max-num-batched-tokens", "4096"],
     )  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until stop_server
-    proc = subprocess.Popen(argv, env={**os.environ, **env, "CUDA_VISIBLE_DEVICES": str(gpu)}, stdout=log,
+    proc = subprocess.Popen(argv, env={**os.environ, **env, "CUDA_VISIBLE_DEVICES": visible_gpu(gpu)}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     return proc, f"http://127.0.0.1:{port}"
 
@@ -339,7 +339,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel: str = "auto",
              stack_every: float = 0.0) -> dict:
-    from benchmarks._child import accelerate_launch, run_child
+    from benchmarks._child import accelerate_launch, run_child, visible_gpu
 
     processes, tp = MODES[mode]
     out_dir = os.path.join(work, f"mode-{mode}")
@@ -352,7 +352,7 @@ def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel:
     if mode == "server":  # the server on GPU 1 starts while the trainer loads on GPU 0 (its client waits for it)
         server, url = start_server(spec, work, 1, fp4_kernel, os.path.join(work, "server.log"))
         overrides.update(vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=timeout)
-        env["CUDA_VISIBLE_DEVICES"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpu(0)
     worker = ["--worker", json.dumps(dataclasses.asdict(spec)), "--work", work, "--steps", str(steps), "--tp", str(tp),
               "--rank-dir", out_dir, "--overrides", json.dumps(overrides), "--stack-every", str(stack_every)]
     cmd = accelerate_launch(__file__, worker, processes)

@@ -17,6 +17,11 @@ take longer together than one machine is held; on two GPUs side by side they tak
 bundle upload. Lane ``i`` sees only GPU ``i`` (``CUDA_VISIBLE_DEVICES``; ``server`` then shares that GPU with its
 trainer) and gets its own ``QERL_E2E_WORK``; its output goes to ``gpu_suite-lane<i>.log`` in the record directory (or
 the working directory), and each row notes its lane. A lane's wall times are not those of a machine to itself.
+Tests that start a child on "GPU i" name the lane's own GPU (``benchmarks._child.visible_gpu``).
+
+A signal (a device call's ``timeout`` sends SIGTERM) stops the suite without leaving GPU memory held: each running
+part's pytest runs its finalizers, which stop the vLLM servers and engines its tests started, its process group is
+killed after ``STOP_GRACE_S``, no later part starts, and the part is recorded as failed, "stopped after N s".
 """
 
 from __future__ import annotations
@@ -28,11 +33,15 @@ import os
 import re
 import subprocess
 import sys
+import signal
 import tempfile
+import threading
 import time
 from typing import TextIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from benchmarks._child import visible_gpu  # noqa: E402 - the repository root first
 
 #: part -> (pytest arguments, what it holds). Each part's measured time is a row of RESULTS (``--record``): the
 #: rows name their commit and GPU, and ``--list`` shows the newest. vLLM's compile cache may have been warm from an
@@ -76,23 +85,68 @@ def _rows(path: str) -> list[dict]:
 SUMMARY = re.compile(r"\b(passed|failed|errors?|no tests ran)\b.* in \d+(\.\d+)?s\b")
 
 
+#: seconds a stopped part's pytest gets to run its finalizers (stop its vLLM servers) before its group is killed
+STOP_GRACE_S = 15.0
+_live: set[subprocess.Popen] = set()  # the parts' pytest processes now running (each leads its own session)
+_live_lock = threading.Lock()
+_stopping = threading.Event()
+
+
+def _stop(signum: int, frame: object) -> None:
+    """SIGTERM or SIGINT to the suite (a device call's ``timeout``): every running part's pytest gets SIGTERM, which
+    ``tests/conftest.py`` turns into KeyboardInterrupt so fixtures stop the servers and engines they started; whatever
+    is left of a part's process group after :data:`STOP_GRACE_S` is killed. No further part starts."""
+    _stopping.set()
+    with _live_lock:
+        procs = list(_live)
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+
+    def kill_rest() -> None:
+        for proc in procs:
+            _signal_group(proc, signal.SIGKILL)
+
+    timer = threading.Timer(STOP_GRACE_S, kill_rest)
+    timer.daemon = True
+    timer.start()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _run_part(part: str, rest: list[str], env: dict[str, str] | None = None,
               out: TextIO | None = None) -> tuple[int, str, float]:
-    """Runs the part's pytest (in ``env``), echoing its output to ``out`` (stdout); returns (exit code, pytest's
-    summary line, seconds)."""
+    """Runs the part's pytest (in ``env``, in its own session so that :func:`_stop` reaches all it started), echoing
+    its output to ``out`` (stdout); returns (exit code, pytest's summary line, seconds). A part stopped by
+    :func:`_stop` returns a non-zero code and says so in its summary."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args(part), *rest]
     out = out or sys.stdout
     t0 = time.monotonic()
     last = ""
-    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env) as proc:  # fmt: skip
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(line)
-            out.flush()
-            if SUMMARY.search(line):  # not simply the last line: NCCL and vLLM print warnings after pytest's summary
-                last = line.strip()
-    return proc.returncode, last.strip("= "), time.monotonic() - t0
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          start_new_session=True) as proc:  # fmt: skip
+        with _live_lock:
+            _live.add(proc)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+                if SUMMARY.search(line):  # not the last line: NCCL and vLLM print warnings after pytest's summary
+                    last = line.strip()
+        finally:
+            proc.wait()
+            with _live_lock:
+                _live.discard(proc)
+    seconds = time.monotonic() - t0
+    if _stopping.is_set() and proc.returncode != 0:
+        _signal_group(proc, signal.SIGKILL)  # what pytest started in its group and left behind
+        return proc.returncode or 1, f"stopped after {seconds:.0f} s (the suite got a signal); pytest: {last}", seconds
+    return proc.returncode, last.strip("= "), seconds
 
 
 def record(out_dir: str, part: str, rc: int, summary: str, seconds: float, uuid: str | None = None,
@@ -125,18 +179,14 @@ _LANE_DROPS = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "RANK", "LO
 def lane_env(parent: dict[str, str], lane: int, work_root: str) -> dict[str, str]:
     """Lane ``lane``'s environment: ``parent`` without :data:`_LANE_DROPS`, on the parent's GPU ``lane`` alone (the
     ``lane``-th of its ``CUDA_VISIBLE_DEVICES``, if set), with its own ``QERL_E2E_WORK`` under ``work_root``."""
-    visible = [d.strip() for d in parent.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     env = {k: v for k, v in parent.items() if k not in _LANE_DROPS}
-    env.update(CUDA_VISIBLE_DEVICES=visible[lane] if visible else str(lane),
-               QERL_E2E_WORK=os.path.join(work_root, f"lane{lane}"))  # fmt: skip
+    env.update(CUDA_VISIBLE_DEVICES=visible_gpu(lane, parent), QERL_E2E_WORK=os.path.join(work_root, f"lane{lane}"))
     return env
 
 
 def run_lanes(lanes: list[list[str]], rest: list[str], record_dir: str | None) -> int:
     """Runs each lane's parts in order on its own GPU, the lanes side by side (threads waiting on pytest processes);
     returns 0 when every part passed. Rows are recorded as each part ends (one lock: one record file)."""
-    import threading
-
     log_dir = record_dir or os.getcwd()
     os.makedirs(log_dir, exist_ok=True)
     work_root = os.environ.get("QERL_E2E_WORK") or os.path.join(tempfile.gettempdir(), "qerl-e2e")
@@ -157,6 +207,8 @@ def run_lanes(lanes: list[list[str]], rest: list[str], record_dir: str | None) -
         beside = "; ".join(",".join(p) for j, p in enumerate(lanes) if j != i)
         with open(os.path.join(log_dir, f"gpu_suite-lane{i}.log"), "w") as log:
             for part in parts:
+                if _stopping.is_set():
+                    break
                 rc, summary, seconds = _run_part(part, rest, env=lane_env(dict(os.environ), i, work_root), out=log)
                 with lock:
                     codes.append(rc)
@@ -170,7 +222,8 @@ def run_lanes(lanes: list[list[str]], rest: list[str], record_dir: str | None) -
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        while t.is_alive():  # a timed join: the main thread then runs _stop as soon as a signal comes
+            t.join(timeout=0.5)
     ran_all = len(codes) == sum(len(parts) for parts in lanes)  # a lane whose thread died did not pass
     return 0 if ran_all and all(c == 0 for c in codes) else 1
 
@@ -208,6 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lanes", nargs="+", metavar="PART,PART", help="one comma-separated list of parts per GPU: "
                     "each list in order on its own GPU, the lists side by side")  # fmt: skip
     a, rest = ap.parse_known_args(argv)
+    if not (a.lanes or a.part):
+        return _run(a, rest, ap)
+    _stopping.clear()
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _run(a, rest, ap)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(a: argparse.Namespace, rest: list[str], ap: argparse.ArgumentParser) -> int:
     if a.lanes:
         lanes = [[p for p in lane.split(",") if p] for lane in a.lanes]
         unknown = sorted({p for lane in lanes for p in lane} - set(PARTS))

@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+_PYTEST_PID = os.getpid()
+
+
+def _interrupt_on_sigterm(signum, frame):
+    """SIGTERM (a device call's ``timeout``, the GPU suite stopping a part) becomes KeyboardInterrupt in pytest, so
+    fixtures' finalizers and ``run_child`` stop the vLLM servers and engines a test started in their own sessions;
+    killed outright, pytest once left 44 GiB held on a GPU (the
+    size of the server test's vLLM server) for the next device call. A forked child dies as
+    SIGTERM would."""
+    if os.getpid() != _PYTEST_PID:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 

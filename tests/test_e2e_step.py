@@ -53,6 +53,23 @@ def test_32b_bf16_rows_are_recorded_not_run(tmp_path):
     assert row["status"].startswith("not_run: a 32B BF16 checkpoint")
 
 
+def test_card_gib_gives_vllm_the_memory_of_the_smaller_card(monkeypatch, tmp_path):
+    """vLLM's KV cache is a share of the whole card: on a 140 GiB H200, "does 32B fit an 80 GB card" takes the share
+    that gives vLLM an H100's GiB (0.45 x 79.2 GiB), not 0.45 of the H200; no card_gib, or a card no larger, keeps
+    the size's share."""
+    import torch
+
+    assert e2e.vllm_memory_utilization("32b") == 0.45
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for total, want in ((140.0, 0.45 * 79.2 / 140.0), (79.2, 0.45), (47.5, 0.45)):
+        props = type("Props", (), {"total_memory": int(total * 2**30)})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _i, p=props: p)
+        assert e2e.vllm_memory_utilization("32b", e2e.H100_80GB_GIB) == pytest.approx(want, abs=1e-4)
+        assert e2e.vllm_memory_utilization("32b") == 0.45
+        row = e2e.run_row(e2e.RowSpec("32b", "trl_bf16", 1, 8, 2048, True), str(tmp_path), steps=5, card_gib=79.2)
+        assert row["card_gib"] == 79.2 and row["vllm_gpu_memory_utilization"] == pytest.approx(want, abs=1e-4)
+
+
 def test_failures_are_classified():
     assert e2e._classify(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")).startswith("oom: ")
     assert e2e._classify(ValueError("No available memory for the cache blocks. Try increasing "

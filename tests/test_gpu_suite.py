@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
@@ -166,8 +168,6 @@ def test_lanes_run_their_parts_in_order_each_on_its_own_gpu(tmp_path, monkeypatc
 
 
 def test_lanes_refuse_an_unknown_part_before_running_any(capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         gpu_suite.main(["--lanes", "kernels,no_such_part", "learning"])
     assert "unknown: no_such_part" in capsys.readouterr().err
@@ -178,3 +178,82 @@ def test_a_lane_takes_the_parents_gpu_of_its_index():
     env = gpu_suite.lane_env({"CUDA_VISIBLE_DEVICES": "2,3", "MASTER_PORT": "29500", "PATH": "/bin"}, 1, "/w")
     assert env == {"CUDA_VISIBLE_DEVICES": "3", "QERL_E2E_WORK": "/w/lane1", "PATH": "/bin"}
     assert gpu_suite.lane_env({}, 1, "/w")["CUDA_VISIBLE_DEVICES"] == "1"
+    # a test's own child on "the second GPU" inside lane 1 (CUDA_VISIBLE_DEVICES=3) is refused, not put on GPU 1
+    from benchmarks._child import visible_gpu
+
+    assert visible_gpu(0, {"CUDA_VISIBLE_DEVICES": "3"}) == "3"
+    with pytest.raises(ValueError, match="shows 1"):
+        visible_gpu(1, {"CUDA_VISIBLE_DEVICES": "3"})
+
+
+def test_a_signal_stops_the_suite_and_nothing_its_parts_started_outlives_it(tmp_path, monkeypatch):
+    """A device call's ``timeout`` sends SIGTERM to the suite: the running part's pytest gets it (``tests/conftest.py``
+    makes it KeyboardInterrupt), its fixtures' finalizers and ``run_child`` stop what they started in their own
+    sessions, what else is left of its group is killed, no later part starts, and the part is a failed row saying
+    it was stopped. At d251c46 a killed lane left a vLLM server holding 44 GiB of the GPU for the next call."""
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("qerl_tests_conftest", {os.path.join(REPO, "tests", "conftest.py")!r})
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))  # its SIGTERM handler, as in tests/
+    """))  # fmt: skip
+    (tmp_path / "test_stopped.py").write_text(textwrap.dedent(f"""
+        import os
+        import subprocess
+        import sys
+
+        import pytest
+
+        sys.path.insert(0, {REPO!r})
+        from benchmarks._child import run_child
+
+        PIDS = {str(pids)!r}
+
+
+        @pytest.fixture
+        def server():
+            proc = subprocess.Popen(["sleep", "300"], start_new_session=True)  # a vLLM server's place
+            open(os.path.join(PIDS, "server"), "w").write(str(proc.pid))
+            yield
+            os.killpg(proc.pid, 15)
+            proc.wait()
+            open(os.path.join(PIDS, "finalized"), "w").write("yes")
+
+
+        @pytest.mark.gpu
+        def test_stopped(server):
+            stray = subprocess.Popen(["sleep", "300"])  # in pytest's own group, no finalizer
+            open(os.path.join(PIDS, "stray"), "w").write(str(stray.pid))
+            suite = os.getppid()  # the child of run_child signals the suite, then waits as an engine would
+            run_child(["sh", "-c", f"echo $$ > {{PIDS}}/child; kill -TERM {{suite}}; sleep 300"], timeout=120)
+    """))
+    (tmp_path / "test_after.py").write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_after():\n"
+                                            f"    open({str(pids / 'after')!r}, 'w').write('ran')\n")  # fmt: skip
+    monkeypatch.setitem(gpu_suite.PARTS, "stopped", ([str(tmp_path / "test_stopped.py")], "a probe"))
+    monkeypatch.setitem(gpu_suite.PARTS, "after", ([str(tmp_path / "test_after.py")], "a probe"))
+    monkeypatch.setenv("QERL_COMMIT", "c" * 40)
+    monkeypatch.setenv("QERL_E2E_WORK", str(tmp_path / "work"))
+    ours = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+
+    t0 = time.monotonic()
+    assert gpu_suite.main(["--lanes", "stopped,after", "--record", str(out)]) == 1
+    assert time.monotonic() - t0 < 60  # not the sleeps' 300 s
+    assert signal.getsignal(signal.SIGTERM) is ours  # the suite gave the handler back
+    assert (pids / "finalized").exists() and not (pids / "after").exists()
+    for name in ("server", "stray", "child"):
+        pid = int((pids / name).read_text())
+        try:
+            os.kill(pid, 0)
+            alive = open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+        except ProcessLookupError:
+            alive = False
+        assert not alive, f"{name} ({pid}) outlived the stopped suite"
+    rows = json.loads(next(out.glob("gpu_suite-*.json")).read_text())["rows"]
+    assert [(r["part"], r["status"]) for r in rows] == [("stopped", "failed")]
+    assert rows[0]["summary"].startswith("stopped after")

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from benchmarks._child import free_port
+from benchmarks._child import free_port, visible_gpu
 from test_ddp import by_event
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
@@ -30,10 +30,11 @@ def server(request, smollm2_checkpoints, tmp_path):
 
     backend = request.param
     port = free_port()
-    gpu = "1" if torch.cuda.device_count() > 1 else "0"
+    second = torch.cuda.device_count() > 1
+    gpu = visible_gpu(1 if second else 0)  # this process's GPU, also inside a GPU-suite lane
     cmd = [sys.executable, "-m", "qerl_trl.cli", "vllm-serve", str(smollm2_checkpoints[1]), "--lora-backend", backend,
            "--lora-r", "8", "--fp4-kernel", "marlin", "--host", "127.0.0.1", "--port", str(port),
-           "--gpu-memory-utilization", "0.3" if gpu == "0" else "0.6", "--max-model-len", "512"]  # fmt: skip
+           "--gpu-memory-utilization", "0.6" if second else "0.3", "--max-model-len", "512"]  # fmt: skip
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -67,7 +68,7 @@ def _train(tmp_path, model: str, url: str, backend: str, *extra: str) -> tuple[i
     cmd = [sys.executable, os.path.join(REPO, "tests", "ddp_job.py"), "--model", model, "--out", str(out),
            "--use_vllm", "--vllm_mode", "server", "--server_url", url, "--vllm_lora_backend", backend,
            "--max_steps", "4", "--save_steps", "4", *extra]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_gpu(0)}
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "trainer.log", "w") as log:  # a file, not a pipe: a run cut off by its call's limit keeps it
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600).returncode
