@@ -72,6 +72,22 @@ class ChildResult:
         return "oom: " + status if "out of memory" in self.log.lower() else status
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _interrupt_on_sigterm() -> signal.Handlers | None:
+    """While a child runs, SIGTERM to a benchmark script (a device call's ``timeout``) raises KeyboardInterrupt, so
+    :func:`run_child` kills the child's group (it leads its own session, so nothing else reaches it: the device
+    ends a finished call's processes but not those of another session). Only where SIGTERM has its default action
+    and in the main thread (pytest's ``tests/conftest.py`` has its own); returns the handler to put back, or None."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL to ``proc``'s process group (it leads its own session), and reap it."""
     try:
@@ -87,6 +103,7 @@ def run_child(cmd: Sequence[str], timeout: float, *, log_path: str | None = None
     whole process group is killed at the limit, and when this process is interrupted while waiting."""
     t0 = time.perf_counter()
     sink = open(log_path, "w") if log_path else subprocess.PIPE  # noqa: SIM115 - closed below
+    previous = _interrupt_on_sigterm()
     try:
         proc = subprocess.Popen(list(cmd), stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                 env=dict(env) if env is not None else None)  # fmt: skip
@@ -101,6 +118,8 @@ def run_child(cmd: Sequence[str], timeout: float, *, log_path: str | None = None
             _kill_group(proc)
             raise
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if log_path:
             sink.close()
     if log_path:

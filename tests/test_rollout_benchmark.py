@@ -232,3 +232,33 @@ def test_a_child_past_its_limit_is_killed_with_its_process_group_and_its_log_kep
     assert not alive, "the engine-like grandchild outlived the killed arm"
     oom = run_child([sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"], timeout=30)
     assert not oom.timed_out and oom.returncode == 3 and oom.status == "oom: failed: exit code 3"
+
+
+def test_a_benchmark_stopped_by_sigterm_takes_its_running_child_with_it(tmp_path):
+    """A device call's ``timeout`` sends SIGTERM to a benchmark script, whose arm runs in a child leading its own
+    session (a vLLM engine): the device ends a finished call's processes but not another session's, so without
+    this the engine would hold the GPU into the next call. ``run_child`` turns the SIGTERM into an interrupt, kills
+    the child's group and the script exits."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r}); from benchmarks._child import run_child; "
+              f"run_child(['sh', '-c', 'echo $$ > {pid_file}; sleep 300'], timeout=120)")
+    bench = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=30) != 0
+    time.sleep(0.5)
+    try:
+        os.kill(child, 0)
+        with open(f"/proc/{child}/stat") as f:
+            alive = f.read().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        alive = False
+    assert not alive, "the arm's child outlived the stopped benchmark"
