@@ -14,6 +14,8 @@ Variants of the adapter (the base is the same NVFP4 model in every variant):
 * ``lora_bf16``: the adapter as trained (the reference);
 * ``a_fp4``: every ``lora_A`` quantized to NVFP4 and back, one global scale per row (Humming's per-channel second
   scale allows that: each row of A is an output channel of the extended weight);
+* ``a_fp4x2``: every ``lora_A`` as two NVFP4 terms, ``Q(A) + Q(A - Q(A))``: twice the extra output channels, and
+  the quantization error of the first term quantized again;
 * ``b_fp4``: every ``lora_B`` likewise (per row of B: per output channel);
 * ``ab_fp4``: both;
 * ``no_lora``: the adapter off (how far the LoRA moves the policy: the scale against which the drift is small
@@ -38,7 +40,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-VARIANTS = ("lora_bf16", "a_fp4", "b_fp4", "ab_fp4", "no_lora")
+VARIANTS = ("lora_bf16", "a_fp4", "a_fp4x2", "b_fp4", "ab_fp4", "no_lora")
 
 
 def fp4_roundtrip_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -77,16 +79,17 @@ def main(argv: list[str] | None = None) -> str:
     a = ap.parse_args(argv)
 
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from benchmarks._common import git_commit, write_result
+    from qerl_trl.quantizer.checkpoint import load_nvfp4  # importing qerl_trl registers its LoRA layer with PEFT
     from qerl_trl.demo import TASK
 
     with open(os.path.join(a.adapter, "adapter_config.json")) as f:
         base = a.base or json.load(f)["base_model_name_or_path"]
     torch.manual_seed(a.seed)
     tok = AutoTokenizer.from_pretrained(a.adapter)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    model = load_nvfp4(base, dtype=torch.bfloat16)
     model = PeftModel.from_pretrained(model, a.adapter).eval()
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> str:
             w = trained[n]
             if (name in ("a_fp4", "ab_fp4") and "lora_A" in n) or (name in ("b_fp4", "ab_fp4") and "lora_B" in n):
                 w = fp4_roundtrip_rows(w)
+            elif name == "a_fp4x2" and "lora_A" in n:
+                first = fp4_roundtrip_rows(w)
+                w = first + fp4_roundtrip_rows(w - first)
             p.data.copy_(w)
 
     results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -122,9 +128,15 @@ def main(argv: list[str] | None = None) -> str:
     set_variant("lora_bf16")
     ref_lp, ref_greedy = results["lora_bf16"]
     rel_err = {}
-    for kind in ("lora_A", "lora_B"):
-        num = sum(float((fp4_roundtrip_rows(w) - w).float().norm() ** 2) for n, w in trained.items() if kind in n)
-        den = sum(float(w.float().norm() ** 2) for n, w in trained.items() if kind in n)
+    for kind in ("lora_A", "lora_B", "lora_A x2"):
+        weights = [w for n, w in trained.items() if kind.split()[0] in n]
+        if kind.endswith("x2"):
+            err = [w - fp4_roundtrip_rows(w) for w in weights]
+            err = [e - fp4_roundtrip_rows(e) for e in err]
+        else:
+            err = [w - fp4_roundtrip_rows(w) for w in weights]
+        num = sum(float(e.float().norm() ** 2) for e in err)
+        den = sum(float(w.float().norm() ** 2) for w in weights)
         rel_err[kind] = round((num / den) ** 0.5, 4) if den else None
     rows = []
     for name in VARIANTS:
@@ -138,7 +150,8 @@ def main(argv: list[str] | None = None) -> str:
         print(rows[-1], flush=True)
     for row in rows:
         row["weight_rel_rms_error"] = {"a_fp4": {"lora_A": rel_err["lora_A"]}, "b_fp4": {"lora_B": rel_err["lora_B"]},
-                                       "ab_fp4": rel_err}.get(row["variant"])  # fmt: skip
+                                       "a_fp4x2": {"lora_A": rel_err["lora_A x2"]},
+                                       "ab_fp4": {k: rel_err[k] for k in ("lora_A", "lora_B")}}.get(row["variant"])  # fmt: skip
         row.update(adapter=os.path.abspath(a.adapter), prompts=a.prompts, samples=a.samples, new_tokens=a.new_tokens,
                    prompt_len=prompt_len, commit=git_commit())  # fmt: skip
     os.makedirs(a.out_dir, exist_ok=True)
