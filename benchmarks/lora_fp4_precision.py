@@ -12,6 +12,9 @@ policy would drift from the trained one. This measures that drift before any ker
 Variants of the adapter (the base is the same NVFP4 model in every variant):
 
 * ``lora_bf16``: the adapter as trained (the reference);
+* ``a_jitter``: every ``lora_A`` times ``1 + 1e-3 * N(0, 1)``, a change far below FP4's: the control. In bf16 any
+  change of the weights moves the log-probs by the rounding of a whole forward, so a variant means something only
+  where it differs from this one (``--dtype float32`` removes most of that floor);
 * ``a_fp4``: every ``lora_A`` quantized to NVFP4 and back, one global scale per row (Humming's per-channel second
   scale allows that: each row of A is an output channel of the extended weight);
 * ``a_fp4x2``: every ``lora_A`` as two NVFP4 terms, ``Q(A) + Q(A - Q(A))``: twice the extra output channels, and
@@ -40,7 +43,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-VARIANTS = ("lora_bf16", "a_fp4", "a_fp4x2", "b_fp4", "ab_fp4", "no_lora")
+VARIANTS = ("lora_bf16", "a_jitter", "a_fp4", "a_fp4x2", "b_fp4", "ab_fp4", "no_lora")
 
 
 def fp4_roundtrip_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--samples", type=int, default=4, help="completions per prompt")
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the model's compute dtype (the adapter's weights are cast to it)")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     a = ap.parse_args(argv)
 
@@ -89,8 +94,9 @@ def main(argv: list[str] | None = None) -> str:
         base = a.base or json.load(f)["base_model_name_or_path"]
     torch.manual_seed(a.seed)
     tok = AutoTokenizer.from_pretrained(a.adapter)
-    model = load_nvfp4(base, dtype=torch.bfloat16)
-    model = PeftModel.from_pretrained(model, a.adapter).eval()
+    dtype = getattr(torch, a.dtype)
+    model = load_nvfp4(base, dtype=dtype)
+    model = PeftModel.from_pretrained(model, a.adapter).eval().to(dtype)
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
     # the same prompt length for every prompt of the batch: left-truncated held-out prompts, no padding to mask
@@ -112,6 +118,9 @@ def main(argv: list[str] | None = None) -> str:
             w = trained[n]
             if (name in ("a_fp4", "ab_fp4") and "lora_A" in n) or (name in ("b_fp4", "ab_fp4") and "lora_B" in n):
                 w = fp4_roundtrip_rows(w)
+            elif name == "a_jitter" and "lora_A" in n:
+                gen = torch.Generator().manual_seed(a.seed)
+                w = w * (1 + 1e-3 * torch.randn(w.shape, generator=gen)).to(w.dtype)
             elif name == "a_fp4x2" and "lora_A" in n:
                 first = fp4_roundtrip_rows(w)
                 w = first + fp4_roundtrip_rows(w - first)
@@ -152,10 +161,15 @@ def main(argv: list[str] | None = None) -> str:
         row["weight_rel_rms_error"] = {"a_fp4": {"lora_A": rel_err["lora_A"]}, "b_fp4": {"lora_B": rel_err["lora_B"]},
                                        "a_fp4x2": {"lora_A": rel_err["lora_A x2"]},
                                        "ab_fp4": {k: rel_err[k] for k in ("lora_A", "lora_B")}}.get(row["variant"])  # fmt: skip
-        row.update(adapter=os.path.abspath(a.adapter), prompts=a.prompts, samples=a.samples, new_tokens=a.new_tokens,
+        row.update(dtype=a.dtype, adapter=os.path.abspath(a.adapter), prompts=a.prompts, samples=a.samples, new_tokens=a.new_tokens,
                    prompt_len=prompt_len, commit=git_commit())  # fmt: skip
     os.makedirs(a.out_dir, exist_ok=True)
-    path = write_result("lora_fp4_precision", rows, a.out_dir, "python " + " ".join(sys.argv))
+    path = os.path.join(a.out_dir, "lora_fp4_precision-cpu.json")
+    if os.path.exists(path):  # one file for both dtypes: this run's rows replace those of its dtype
+        with open(path) as f:
+            rows = [r for r in json.load(f)["rows"] if r.get("dtype", "bfloat16") != a.dtype] + rows
+    path = write_result("lora_fp4_precision", rows, a.out_dir, "python benchmarks/lora_fp4_precision.py --adapter "
+                        "<the demo's output> --dtype {bfloat16,float32}")  # fmt: skip
     print("wrote", path)
     return path
 
