@@ -151,18 +151,19 @@ def main(argv: list[str] | None = None) -> str:
     for name in VARIANTS:
         lp, greedy = results[name]
         diff = lp - ref_lp
-        rows.append(dict(variant=name, tokens=int(diff.numel()), mean_abs_logprob_diff=round(float(diff.abs().mean()), 5),
-                         p99_abs_logprob_diff=round(float(diff.abs().flatten().quantile(0.99)), 5),
-                         mean_logprob_diff=round(float(diff.mean()), 5),
-                         greedy_flip_fraction=round(float((greedy != ref_greedy).float().mean()), 4),
-                         status="ok"))  # fmt: skip
+        rows.append(dict(
+            variant=name, tokens=int(diff.numel()), mean_abs_logprob_diff=round(float(diff.abs().mean()), 5),
+            p99_abs_logprob_diff=round(float(diff.abs().flatten().quantile(0.99)), 5),
+            mean_logprob_diff=round(float(diff.mean()), 5),
+            greedy_flip_fraction=round(float((greedy != ref_greedy).float().mean()), 4), status="ok"))
         print(rows[-1], flush=True)
     for row in rows:
-        row["weight_rel_rms_error"] = {"a_fp4": {"lora_A": rel_err["lora_A"]}, "b_fp4": {"lora_B": rel_err["lora_B"]},
-                                       "a_fp4x2": {"lora_A": rel_err["lora_A x2"]},
-                                       "ab_fp4": {k: rel_err[k] for k in ("lora_A", "lora_B")}}.get(row["variant"])  # fmt: skip
-        row.update(dtype=a.dtype, adapter=os.path.abspath(a.adapter), prompts=a.prompts, samples=a.samples, new_tokens=a.new_tokens,
-                   prompt_len=prompt_len, commit=git_commit())  # fmt: skip
+        errors = {"a_fp4": {"lora_A": rel_err["lora_A"]}, "b_fp4": {"lora_B": rel_err["lora_B"]},
+                  "a_fp4x2": {"lora_A": rel_err["lora_A x2"]},
+                  "ab_fp4": {k: rel_err[k] for k in ("lora_A", "lora_B")}}  # fmt: skip
+        row["weight_rel_rms_error"] = errors.get(row["variant"])
+        row.update(dtype=a.dtype, adapter=os.path.abspath(a.adapter), prompts=a.prompts, samples=a.samples,
+                   new_tokens=a.new_tokens, prompt_len=prompt_len, commit=git_commit())  # fmt: skip
     os.makedirs(a.out_dir, exist_ok=True)
     path = os.path.join(a.out_dir, "lora_fp4_precision-cpu.json")
     if os.path.exists(path):  # one file for both dtypes: this run's rows replace those of its dtype

@@ -196,12 +196,13 @@ def test_a_signal_stops_the_suite_and_nothing_its_parts_started_outlives_it(tmp_
 
     pids = tmp_path / "pids"
     pids.mkdir()
+    ours_conftest = os.path.join(REPO, "tests", "conftest.py")
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("qerl_tests_conftest", {os.path.join(REPO, "tests", "conftest.py")!r})
+        spec = importlib.util.spec_from_file_location("qerl_tests_conftest", {ours_conftest!r})
         spec.loader.exec_module(importlib.util.module_from_spec(spec))  # its SIGTERM handler, as in tests/
-    """))  # fmt: skip
+    """))
     (tmp_path / "test_stopped.py").write_text(textwrap.dedent(f"""
         import os
         import subprocess

@@ -245,7 +245,8 @@ def test_a_benchmark_stopped_by_sigterm_takes_its_running_child_with_it(tmp_path
     import time
 
     pid_file = tmp_path / "child.pid"
-    script = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r}); from benchmarks._child import run_child; "
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = (f"import sys; sys.path.insert(0, {repo!r}); from benchmarks._child import run_child; "
               f"run_child(['sh', '-c', 'echo $$ > {pid_file}; sleep 300'], timeout=120)")
     bench = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.monotonic() + 30
