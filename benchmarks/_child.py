@@ -100,7 +100,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def run_child(cmd: Sequence[str], timeout: float, *, log_path: str | None = None,
               env: Mapping[str, str] | None = None) -> ChildResult:  # fmt: skip
     """Run ``cmd`` (its output to ``log_path`` when given, else kept in memory) for at most ``timeout`` seconds. Its
-    whole process group is killed at the limit, and when this process is interrupted while waiting."""
+    whole process group is killed at the limit, and when this process is interrupted while waiting (not in the few
+    milliseconds while the child is being started: an interrupt there leaves it running)."""
     t0 = time.perf_counter()
     sink = open(log_path, "w") if log_path else subprocess.PIPE  # noqa: SIM115 - closed below
     previous = _interrupt_on_sigterm()

@@ -230,8 +230,9 @@ def test_a_signal_stops_the_suite_and_nothing_its_parts_started_outlives_it(tmp_
         def test_stopped(server):
             stray = subprocess.Popen(["sleep", "300"])  # in pytest's own group, no finalizer
             open(os.path.join(PIDS, "stray"), "w").write(str(stray.pid))
-            suite = os.getppid()  # the child of run_child signals the suite, then waits as an engine would
-            run_child(["sh", "-c", f"echo $$ > {{PIDS}}/child; kill -TERM {{suite}}; sleep 300"], timeout=120)
+            suite = os.getppid()  # the child of run_child signals the suite, then waits as an engine would; it waits
+            # a second first, so the signal comes while run_child waits on it, not while it is being started
+            run_child(["sh", "-c", f"echo $$ > {{PIDS}}/child; sleep 1; kill -TERM {{suite}}; sleep 300"], timeout=120)
     """))
     (tmp_path / "test_after.py").write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_after():\n"
                                             f"    open({str(pids / 'after')!r}, 'w').write('ran')\n")  # fmt: skip

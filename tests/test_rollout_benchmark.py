@@ -253,6 +253,7 @@ def test_a_benchmark_stopped_by_sigterm_takes_its_running_child_with_it(tmp_path
     while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.1)
     child = int(pid_file.read_text())
+    time.sleep(1.0)  # run_child is waiting on its child by now (a signal while it starts one is not covered)
     bench.send_signal(signal.SIGTERM)
     assert bench.wait(timeout=30) != 0
     time.sleep(0.5)
