@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ChildResult", "accelerate_launch", "free_port", "run_child", "visible_gpu"]
+__all__ = ["ChildResult", "accelerate_launch", "free_port", "run_child", "signal_group", "visible_gpu"]
 
 #: characters of a child's output kept for a failed row
 LOG_TAIL = 8000
@@ -88,12 +88,17 @@ def _interrupt_on_sigterm() -> signal.Handlers | None:
     return signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL to ``proc``'s process group (it leads its own session), and reap it."""
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process group ``proc`` leads (started with ``start_new_session``); none left is no error."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to ``proc``'s process group, and reap it."""
+    signal_group(proc, signal.SIGKILL)
     proc.wait()
 
 

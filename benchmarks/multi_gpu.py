@@ -327,14 +327,14 @@ def start_server(spec, work: str, gpu: int, fp4_kernel: str, log_path: str) -> t
 
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM to the server's process group (vLLM's engine processes too), SIGKILL after 30 s."""
+    from benchmarks._child import signal_group
+
+    signal_group(proc, signal.SIGTERM)
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        signal_group(proc, signal.SIGKILL)
         proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 def run_mode(mode: str, spec, work: str, steps: int, timeout: float, fp4_kernel: str = "auto",

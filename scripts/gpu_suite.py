@@ -31,9 +31,9 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
-import signal
 import tempfile
 import threading
 import time
@@ -41,7 +41,7 @@ from typing import TextIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from benchmarks._child import visible_gpu  # noqa: E402 - the repository root first
+from benchmarks._child import signal_group, visible_gpu  # noqa: E402 - the repository root first
 
 #: part -> (pytest arguments, what it holds). Each part's measured time is a row of RESULTS (``--record``): the
 #: rows name their commit and GPU, and ``--list`` shows the newest. vLLM's compile cache may have been warm from an
@@ -100,22 +100,15 @@ def _stop(signum: int, frame: object) -> None:
     with _live_lock:
         procs = list(_live)
     for proc in procs:
-        _signal_group(proc, signal.SIGTERM)
+        signal_group(proc, signal.SIGTERM)
 
     def kill_rest() -> None:
         for proc in procs:
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
 
     timer = threading.Timer(STOP_GRACE_S, kill_rest)
     timer.daemon = True
     timer.start()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _run_part(part: str, rest: list[str], env: dict[str, str] | None = None,
@@ -144,7 +137,7 @@ def _run_part(part: str, rest: list[str], env: dict[str, str] | None = None,
                 _live.discard(proc)
     seconds = time.monotonic() - t0
     if _stopping.is_set() and proc.returncode != 0:
-        _signal_group(proc, signal.SIGKILL)  # what pytest started in its group and left behind
+        signal_group(proc, signal.SIGKILL)  # what pytest started in its group and left behind
         return proc.returncode or 1, f"stopped after {seconds:.0f} s (the suite got a signal); pytest: {last}", seconds
     return proc.returncode, last.strip("= "), seconds
 

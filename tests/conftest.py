@@ -16,9 +16,8 @@ _PYTEST_PID = os.getpid()
 def _interrupt_on_sigterm(signum, frame):
     """SIGTERM (a device call's ``timeout``, the GPU suite stopping a part) becomes KeyboardInterrupt in pytest, so
     fixtures' finalizers and ``run_child`` stop the vLLM servers and engines a test started in their own sessions;
-    killed outright, pytest once left 44 GiB held on a GPU (the
-    size of the server test's vLLM server) for the next device call. A forked child dies as
-    SIGTERM would."""
+    killed outright, pytest once left 44 GiB held on a GPU (the server test's vLLM server) for the next device call.
+    A forked child dies as SIGTERM would."""
     if os.getpid() != _PYTEST_PID:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
