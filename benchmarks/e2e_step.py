@@ -138,6 +138,16 @@ def prepare_checkpoints(work: str, size: str, need_bf16: bool) -> dict[str, floa
 
 
 # ------------------------------------------------------------------------------------------ one row (child)
+def nvml_handle(nvml: Any, device_index: int) -> Any:
+    """NVML's handle of torch's ``cuda:<device_index>``. NVML numbers every GPU of the machine and ignores
+    ``CUDA_VISIBLE_DEVICES``, so the index would read another GPU in a lane that sees only GPU 1 (a 7B row there once
+    reported GPU 0's 121.7 GiB); the UUID names the same physical device in both."""
+    from benchmarks._common import gpu_uuid
+
+    uuid = gpu_uuid(device_index)
+    return nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
+
+
 class _PeakMemory:
     """Device memory in use (NVML, every 20 ms, the whole GPU: vLLM's pools included) between start() and stop()."""
 
@@ -163,7 +173,7 @@ class _PeakMemory:
             import pynvml
 
             pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(self.device_index)
+            self._nvml, self._handle = pynvml, nvml_handle(pynvml, self.device_index)
         except Exception:  # no NVML: torch's view of the device
             self._nvml = None
         self.peak = self._used()

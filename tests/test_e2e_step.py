@@ -150,3 +150,20 @@ def test_merge_keeps_the_latest_row_fills_the_matrix_and_adds_speedups(tmp_path)
         e2e.merge([str(a), str(b)], str(tmp_path / "o2"), None, None, None, {"7b/qerl/2x8-512-nosleep": "x"})
     with pytest.raises(ValueError, match="outside the matrix"):
         e2e.merge([str(a)], str(tmp_path / "o3"), None, None, None, {"7b/qerl/9x9": "x"})
+
+
+def test_peak_memory_reads_the_gpu_torch_runs_on_not_nvmls_index(monkeypatch):
+    """NVML ignores CUDA_VISIBLE_DEVICES: in a lane that sees only physical GPU 1, NVML's index 0 is GPU 0. The
+    sampler finds its GPU by the UUID torch gives for its own device."""
+    from benchmarks import _common
+
+    class Nvml:
+        def nvmlDeviceGetHandleByIndex(self, i):
+            raise AssertionError("an index names another GPU under CUDA_VISIBLE_DEVICES")
+
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            return uuid
+
+    monkeypatch.setattr(_common, "gpu_uuid", lambda device=0: {0: "91ee96db-3099", 1: "c65b48ee-4672"}[device])
+    assert e2e.nvml_handle(Nvml(), 0) == "GPU-91ee96db-3099"
+    assert e2e.nvml_handle(Nvml(), 1) == "GPU-c65b48ee-4672"
