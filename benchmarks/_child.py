@@ -96,12 +96,6 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL to ``proc``'s process group, and reap it."""
-    signal_group(proc, signal.SIGKILL)
-    proc.wait()
-
-
 def run_child(cmd: Sequence[str], timeout: float, *, log_path: str | None = None,
               env: Mapping[str, str] | None = None) -> ChildResult:  # fmt: skip
     """Run ``cmd`` (its output to ``log_path`` when given, else kept in memory) for at most ``timeout`` seconds. Its
@@ -117,11 +111,12 @@ def run_child(cmd: Sequence[str], timeout: float, *, log_path: str | None = None
             out, _ = proc.communicate(timeout=timeout)
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             out, _ = proc.communicate()
             timed_out = True
         except BaseException:  # interrupted (Ctrl-C, the GPU suite's SIGTERM): its vLLM engine must not outlive us
-            _kill_group(proc)
+            signal_group(proc, signal.SIGKILL)
+            proc.wait()
             raise
     finally:
         if previous is not None:
