@@ -21,7 +21,8 @@ of one generation round each (``per_device_train_batch_size`` completions per mi
 over the round). Each row runs in its own process (a fresh CUDA context and vLLM engine) and reports the median of
 the steps after the first (``--steps 6``: five measured steps; ``step_s_min`` / ``step_s_max`` over them):
 ``step_s`` (optimizer step to optimizer step, CUDA-synchronized), ``rollout_s`` (vLLM ``generate``, or HF
-generation), ``sync_s`` (the trainer's weight/adapter push into vLLM), ``train_s`` (the rest:
+generation), ``sync_s`` (the trainer's weight/adapter push into vLLM; QeRL rows split it by phase in
+``sync_phases_per_step``; ``QERL_E2E_PROFILE_SYNC=1`` adds its cProfile as ``sync_profile``), ``train_s`` (the rest:
 log-probs, loss, backward, optimizer), ``peak_gib`` (device memory in use, sampled every 20 ms by NVML during the
 training steps: vLLM's pools included) and ``torch_peak_gib``. An OOM or a failure is a row with its ``status``.
 Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the arms back to back), and
@@ -224,6 +225,33 @@ class _Timed:
         return t
 
 
+class _profile_calls:
+    """cProfile over every call of a bound method (``QERL_E2E_PROFILE_SYNC=1``: the sync's hot spots in the row)."""
+
+    def __init__(self, obj: Any, name: str):
+        import cProfile
+
+        self.prof = cProfile.Profile()
+        original = getattr(obj, name)
+
+        def wrapped(*a, **kw):
+            self.prof.enable()
+            try:
+                return original(*a, **kw)
+            finally:
+                self.prof.disable()
+
+        setattr(obj, name, wrapped)
+
+    def report(self, top: int = 30) -> str:
+        import io
+        import pstats
+
+        buf = io.StringIO()
+        pstats.Stats(self.prof, stream=buf).sort_stats("cumulative").print_stats(top)
+        return buf.getvalue()[-6000:]
+
+
 def _reward(completions, **kwargs):
     """Any reward with variance across a group (the content of random-model text does not matter)."""
     import zlib
@@ -365,11 +393,14 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
         if spec.arm in QERL_ARMS and gen is not None:  # "auto" resolved on this machine (Humming or Marlin)
             row["fp4_kernel"] = gen.serving.fp4_kernel
             row["engine_start_s"] = round(gen.engine_start_seconds, 1)
+        profile = None
         if gen is not None:
+            profile = _profile_calls(gen, "sync_weights") if os.environ.get("QERL_E2E_PROFILE_SYNC") else None
             sync_t, roll_t = _Timed(gen, "sync_weights"), _Timed(gen, "generate")
         else:
             sync_t, roll_t = None, _Timed(trainer, "_generate_single_turn")
         per_step: list[dict] = []
+        sync_phases: list[dict] = []
 
         class StepTimer(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
@@ -380,6 +411,9 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
                 _sync()
                 per_step.append(dict(step_s=time.perf_counter() - self.t, rollout_s=roll_t.take(),
                                      sync_s=sync_t.take() if sync_t else 0.0))
+                if getattr(gen, "last_sync_phases", None) is not None:  # QeRL: where the sync's time went
+                    sync_phases.append(gen.last_sync_phases)
+                    gen.last_sync_phases = {}
 
         trainer.add_callback(StepTimer())
         if torch.cuda.is_available():
@@ -403,6 +437,10 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
     for key in ("step_s", "rollout_s", "sync_s", "train_s"):
         row[key] = round(statistics.median(s[key] for s in measured), 3)
         row[key + "_per_step"] = [round(s[key], 3) for s in per_step]
+    if sync_phases:
+        row["sync_phases_per_step"] = sync_phases
+    if profile is not None:
+        row["sync_profile"] = profile.report()
     row["step_s_min"] = round(min(s["step_s"] for s in measured), 3)
     row["step_s_max"] = round(max(s["step_s"] for s in measured), 3)
     lengths = [h.get("completions/mean_length") for h in logs]

@@ -13,7 +13,7 @@ Rows ``{size, layer, rows, path, us, lora_us, max_rel_err}`` per arm (``path``):
 
 * ``base``: the stand-in base GEMM alone;
 * ``cublas``: base, then ``lora_delta_add_reference`` (two GEMMs, out of place: the path above 16 rows until
-  LORA_OPS_VERSION 2);
+  2bfc0a4);
 * ``shipped``: ``lora_shrink``, base, ``lora_expand_`` (in place), as ``SingleLoRALinearMethod`` runs them.
 
 ``lora_us`` is the arm's time less ``base``'s. A per-step figure is printed: the sum over a layer's four linears

@@ -76,7 +76,7 @@ class EngineSpec:
     gen_len: int = 512
     lora_r: int = 32
     kernel: str | None = None  # FP4 arms: "marlin" or "humming"; None for bf16_merged
-    profile_batch: int | None = None  # after the timed batches: where the GPU time of one such batch goes
+    profile_batches: tuple[int, ...] = ()  # after the timed batches: one decode step of each, profiled
 
 
 def parse_arm(text: str) -> tuple[str, str | None]:
@@ -255,52 +255,17 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
                              ms_per_token_step=round(1000 * wall / spec.gen_len, 3), init_s=round(init_s, 1),
                              gpu_memory_utilization=source_kwargs["gpu_memory_utilization"], kv_tokens=kv_tokens,
                              kv_limited=bool(kv_tokens) and batch * (spec.prompt_len + spec.gen_len) > kv_tokens))  # fmt: skip
-        if spec.profile_batch:
-            profile = kernel_profile(llm, prompts(spec.profile_batch), request)
+        for batch in spec.profile_batches:  # after the timed batches: where one decode step's time goes
+            from benchmarks.decode_profile import profile_decode_step
+
+            profile = profile_decode_step(llm, prompts(batch), request, AutoConfig.from_pretrained(model))
             for r in rows:
-                if r["batch"] == spec.profile_batch:
-                    r["kernel_profile"] = profile
+                if r["batch"] == batch:
+                    r["decode_profile"] = profile
         return rows
     except BaseException as e:  # noqa: BLE001 - a failed engine is rows with its status
         return [dict(base, batch=b, status=e2e._classify(e), traceback=traceback.format_exc()[-2500:])
                 for b in spec.batches]  # fmt: skip
-
-
-#: the kernel families of a decode step, by CUDA kernel name (first match wins)
-#: (QeRL's and vLLM's LoRA kernels are both Triton ``_lora_shrink_kernel`` / ``_lora_expand_kernel``: one family)
-KERNEL_FAMILIES = (("lora", ("lora",)), ("humming", ("humming",)), ("marlin", ("marlin",)),
-                   ("attention", ("flash", "attn")), ("dense_gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas")))
-
-
-def kernel_family(name: str) -> str:
-    low = name.lower()
-    for family, keys in KERNEL_FAMILIES:
-        if any(k.lower() in low for k in keys):
-            return family
-    return "other"
-
-
-def kernel_profile(llm, batch_prompts, request, tokens: int = 64) -> dict:
-    """GPU time of one ``generate`` of ``batch_prompts`` (``tokens`` decoded) under torch's profiler (CUPTI records
-    the kernels inside vLLM's CUDA graphs too): milliseconds per kernel family and the top kernels by name."""
-    import torch
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=1.0)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        llm.generate(batch_prompts, params, lora_request=request, use_tqdm=False)
-        torch.cuda.synchronize()
-    kernels = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if us > 0:
-            kernels.append((e.key, float(us), int(e.count)))
-    families: dict[str, float] = {}
-    for name, us, _ in kernels:
-        families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + us / 1000
-    kernels.sort(key=lambda k: -k[1])
-    return {"tokens": tokens, "batch": len(batch_prompts), "ms_by_family": {k: round(v, 2) for k, v in families.items()},
-            "top": [{"kernel": n[:120], "ms": round(us / 1000, 2), "calls": c} for n, us, c in kernels[:12]]}
 
 
 def _same(r: dict) -> tuple:
@@ -396,8 +361,9 @@ def main(argv: list[str] | None = None) -> str | None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=512)
     ap.add_argument("--lora-r", type=int, default=32)
-    ap.add_argument("--profile-batch", type=int, default=None,
-                    help="also profile one generate of this batch per engine (GPU time per kernel family)")
+    ap.add_argument("--profile-batches", nargs="*", type=int, default=[],
+                    help="also profile one decode step at each of these batches (of --batches) per engine: "
+                    "benchmarks/decode_profile.py")
     ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints (shared with e2e_step.py)")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
@@ -409,13 +375,17 @@ def main(argv: list[str] | None = None) -> str | None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if not set(a.profile_batches) <= set(a.batches):
+        ap.error(f"--profile-batches {a.profile_batches} must be among --batches {a.batches}")
     if a.merge:
         path = merge(a.merge, a.out_dir)
         print(f"wrote {path}")
         return path
     if a.child:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        spec = EngineSpec(**{**json.loads(a.child), "batches": tuple(json.loads(a.child)["batches"])})
+        fields = json.loads(a.child)
+        spec = EngineSpec(**{**fields, "batches": tuple(fields["batches"]),
+                             "profile_batches": tuple(fields.get("profile_batches", ()))})
         with open(a.rows_out, "w") as f:
             json.dump(run_engine(spec, a.work), f, default=str)
         return None
@@ -431,7 +401,8 @@ def main(argv: list[str] | None = None) -> str | None:
         need_bf16 = "bf16_merged" in a.arms and size in e2e.BF16_MAX_SIZE
         e2e.prepare_checkpoints(a.work, size, need_bf16=need_bf16)
         for arm, kernel in arms:
-            spec = EngineSpec(size, arm, tuple(a.batches), a.prompt_len, a.gen_len, a.lora_r, kernel, a.profile_batch)
+            spec = EngineSpec(size, arm, tuple(a.batches), a.prompt_len, a.gen_len, a.lora_r, kernel,
+                              tuple(a.profile_batches))
             elapsed = time.monotonic() - start
             limit = engine_timeout(a.timeout, a.deadline, elapsed)
             if limit is None:

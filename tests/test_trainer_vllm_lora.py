@@ -371,3 +371,100 @@ def test_in_layer_backend_pushes_into_the_layers_and_clear_zeroes_them(monkeypat
     (names, scaling), = pushes
     assert len(names) == 2 * 7 and "model.layers.0.self_attn.q_proj" in names and scaling == 2.0
     assert backend.clear() == 0 and pushes[-1] == ([], 1.0) and calls == ["reset"]
+
+
+def test_lora_ops_key_is_a_hash_of_the_op_sources(tmp_path):
+    """Issue #55 item 6: the compile-cache key of the in-layer LoRA changes whenever any file of its ops changes."""
+    import shutil
+    from pathlib import Path
+
+    from qerl_trl.vllm_plugin import quant_spec
+
+    here = Path(quant_spec.__file__).parent
+    assert quant_spec.LORA_OPS_VERSION == quant_spec.lora_ops_digest()
+    for name in quant_spec.LORA_OPS_SOURCES:
+        shutil.copy(here / name, tmp_path / name)
+    assert quant_spec.lora_ops_digest(root=tmp_path) == quant_spec.LORA_OPS_VERSION
+    for name in quant_spec.LORA_OPS_SOURCES:
+        original = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(original + b"\n# changed\n")
+        assert quant_spec.lora_ops_digest(root=tmp_path) != quant_spec.LORA_OPS_VERSION, name
+        (tmp_path / name).write_bytes(original)
+
+
+def test_lora_ops_sources_cover_what_the_method_imports():
+    """Every plugin module the in-layer method reaches through its package imports is hashed into the key (the
+    spec module itself holds no op)."""
+    import ast
+    from pathlib import Path
+
+    from qerl_trl.vllm_plugin import quant_spec
+
+    here = Path(quant_spec.__file__).parent
+    seen, todo = set(), ["single_lora.py"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse((here / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                todo.append(node.module.split(".")[0] + ".py")
+    assert seen - {"quant_spec.py"} <= set(quant_spec.LORA_OPS_SOURCES)
+
+
+def test_peft_to_vllm_tensors_are_peft_saved_adapter():
+    """The tensors read from the LoRA layers are exactly PEFT's saved adapter: names, shapes and values."""
+    from peft.utils import get_peft_model_state_dict
+
+    model, _ = _peft_tiny(r=8)
+    ours = vl.peft_to_vllm_lora_tensors(model)
+    peft_state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    assert list(ours) == list(peft_state)
+    for name, t in peft_state.items():
+        assert ours[name].data_ptr() == t.data_ptr()  # the parameters themselves, no copy
+
+
+def test_adapter_sync_does_no_work_that_grows_with_steps_or_model(tmp_path, monkeypatch):
+    """Issue #55: the "vllm" backend's sync once took 4.1 s a step (0.30 s before). Each sync must read only the
+    LoRA (never the whole model's state_dict, nor the base model's config), write the same bytes every round, and
+    leave one adapter loaded: nothing in it may grow with the number of steps or with the base model."""
+    import types
+
+    class LoRARequest:
+        def __init__(self, lora_name, lora_int_id, lora_path):
+            self.lora_int_id, self.lora_path = lora_int_id, lora_path
+
+    fake_vllm = types.ModuleType("vllm.lora.request")
+    fake_vllm.LoRARequest = LoRARequest
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", fake_vllm)
+    calls, sizes, loaded = [], [], set()
+
+    class Engine:
+        def add_lora(self, request):
+            calls.append("add")
+            loaded.add(request.lora_int_id)
+            sizes.append(sum(p.stat().st_size for p in __import__("pathlib").Path(request.lora_path).iterdir()))
+
+        def remove_lora(self, lora_id):
+            calls.append("remove")
+            loaded.discard(lora_id)
+
+    model, _ = _peft_tiny(r=8)
+
+    def whole_model_read(*a, **k):
+        raise AssertionError("the sync read the whole model's state_dict")
+
+    monkeypatch.setattr(torch.nn.Module, "state_dict", whole_model_read)
+    monkeypatch.setattr(type(model.config), "from_pretrained", whole_model_read)
+    spec = vl.VLLMServingSpec(checkpoint="ckpt", tokenizer="ckpt", max_lora_rank=8, lora_sync_dir=str(tmp_path))
+    backend = vl.AdapterLoRABackend(spec)
+    backend.attach(types.SimpleNamespace(llm_engine=Engine()))
+    gather, _ = _no_gather_calls()
+    for _ in range(6):
+        backend.sync(model, gather)
+        assert set(backend.last_phases) == {"read", "write", "load"}
+    assert calls == ["add"] + ["remove", "add"] * 5
+    assert loaded == {6} and len(set(sizes)) == 1 and list(tmp_path.iterdir()) == []
+    lora_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if "lora_" in n)  # bf16 on disk
+    assert lora_bytes < sizes[0] < lora_bytes + 64 * 1024  # the LoRA and its header, nothing of the base

@@ -7,17 +7,35 @@ reads the same names, so both sides agree without either importing the other.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["LORA_KEY", "LORA_OPS_VERSION", "OTHER_BACKEND_HINT", "QUANT_NAME", "lora_quantization_overrides"]
+__all__ = ["LORA_KEY", "LORA_OPS_SOURCES", "LORA_OPS_VERSION", "OTHER_BACKEND_HINT", "QUANT_NAME", "lora_ops_digest",
+           "lora_quantization_overrides"]
 
 QUANT_NAME = "qerl_nvfp4_lora"  # the quantization method's name in vLLM
 LORA_KEY = "qerl_lora"  # its LoRA spec inside the checkpoint's quantization_config
-#: The version of the ops the in-layer LoRA puts into vLLM's compiled graph (2: the shrink on a side stream and an
-#: in-place expand, ``lora_kernels``). It is part of the spec, so a change of the ops changes ``hf_overrides`` and with
-#: it the compile-cache key (``compile_cache_marker``): a cache filled by older ops is never read.
-LORA_OPS_VERSION = 2
+#: The plugin's files whose code the in-layer LoRA puts into vLLM's compiled graph: the custom ops, the quantization
+#: method that calls them (with its FP4-kernel choice) and the buffers it fills. Checked by a test against what
+#: ``single_lora`` imports from the package, so a new file cannot be left out.
+LORA_OPS_SOURCES = ("fp4_kernel.py", "lora_kernels.py", "lora_shards.py", "single_lora.py")
+
+
+def lora_ops_digest(sources: Iterable[str] = LORA_OPS_SOURCES, root: Path | None = None) -> str:
+    """A hash of the bytes of :data:`LORA_OPS_SOURCES` (in ``root``, this package's folder by default): what the ops
+    are, not a number someone must remember to bump (a hand-kept version once stayed at 2 while the ops changed)."""
+    here = root or Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in sorted(sources):
+        h.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+#: The ops' identity in the LoRA spec. It is part of ``hf_overrides``, and with them of the compile-cache key
+#: (``compile_cache_marker``): an engine never replays a graph compiled for other ops.
+LORA_OPS_VERSION = lora_ops_digest()
 #: What every "this LoRA or model cannot be served in-layer" error ends with: the other backend serves it
 OTHER_BACKEND_HINT = "QeRLGRPOConfig(vllm_lora_backend='vllm') serves it through vLLM's own LoRA adapters instead."
 

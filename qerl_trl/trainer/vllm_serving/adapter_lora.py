@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -40,12 +41,16 @@ def write_adapter_dir(
 
 
 class _AdapterPusher:
-    """Pushes one adapter per round into the engine; only the newest one stays loaded."""
+    """Pushes one adapter per round into the engine; only the newest one stays loaded.
+
+    ``phases`` holds the last push's wall time by phase (``write``: the files in ``sync_dir``; ``load``: vLLM's
+    ``remove_lora`` + ``add_lora``), so a slow sync says where its time went."""
 
     def __init__(self, llm: Any, sync_dir: str):
         self.llm = llm
         self.sync_dir = sync_dir
         self.current_id = 0
+        self.phases: dict[str, float] = {}
 
     def push(self, tensors: dict[str, torch.Tensor], peft_config: Any):
         from vllm.lora.request import LoRARequest
@@ -53,12 +58,15 @@ class _AdapterPusher:
         new_id = self.current_id + 1
         tmp = tempfile.mkdtemp(prefix=f"qerl-lora-{os.getpid()}-", dir=self.sync_dir)
         try:
+            t0 = time.perf_counter()
             write_adapter_dir(tmp, tensors, peft_config)
+            t1 = time.perf_counter()
             request = LoRARequest(lora_name=f"qerl-{new_id}", lora_int_id=new_id, lora_path=tmp)
             engine = self.llm.llm_engine
             if self.current_id:
                 engine.remove_lora(self.current_id)
             engine.add_lora(request)  # loads the files now (to CPU; moved to the GPU slot on first use)
+            self.phases = {"write": t1 - t0, "load": time.perf_counter() - t1}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.current_id = new_id
@@ -81,9 +89,13 @@ class AdapterLoRABackend(VLLMLoRABackend):
         self._pusher = _AdapterPusher(llm, self.spec.lora_sync_dir)
 
     def sync(self, model: nn.Module, gather_params: GatherParams) -> Any:
+        t0 = time.perf_counter()
         with gather_params(self.lora_parameters(model)):
             tensors = {k: v.clone() for k, v in peft_to_vllm_lora_tensors(model).items()}
-        return self._pusher.push(tensors, model.peft_config["default"])
+        read = time.perf_counter() - t0
+        request = self._pusher.push(tensors, model.peft_config["default"])
+        self.last_phases = {"read": read, **self._pusher.phases}
+        return request
 
     def clear(self) -> int:
         if not self._pusher.current_id:

@@ -57,6 +57,7 @@ def make_qerl_vllm_generation_class():
             self.lora_backend = LORA_BACKENDS[serving.lora_backend](serving)
             self.pending_norms: dict[str, torch.Tensor] | None = None
             self.last_sync_seconds = 0.0
+            self.last_sync_phases: dict[str, float] = {}
             self.engine_start_seconds = 0.0
             super().__init__(*args, **kwargs)
 
@@ -162,12 +163,18 @@ def make_qerl_vllm_generation_class():
                 self._sync_server()
                 self.last_sync_seconds = time.perf_counter() - t0
                 return
+            phases: dict[str, float] = {}
             if self.enable_sleep_mode and self._llm_weights_sleeping:
                 empty_cache()
                 self.llm.wake_up(tags=["weights"])
+                phases["wake_up"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.lora_backend.last_phases = {}
             request = self.lora_backend.sync(self.model, self._dist.gather_params)
             if self.lora_backend.uses_lora_request:
                 self.llm.lora_request = request
+            phases.update(self.lora_backend.last_phases or {"lora": time.perf_counter() - t1})
+            t1 = time.perf_counter()
             if self.pending_norms:
                 push_norm_weights(self.llm, self.pending_norms)
                 self.pending_norms = None
@@ -176,7 +183,10 @@ def make_qerl_vllm_generation_class():
             self._llm_weights_sleeping = False
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            phases["norms_and_cache"] = time.perf_counter() - t1
             self.last_sync_seconds = time.perf_counter() - t0
+            self.last_sync_phases = {k: round(v, 4) for k, v in phases.items()}
+            logger.debug("vLLM sync %.3f s by phase: %s", self.last_sync_seconds, self.last_sync_phases)
 
         def clear_lora(self) -> int:
             """Serve the bare NVFP4 base (no LoRA) until the next sync; for checks (colocate mode)."""

@@ -32,6 +32,8 @@ class VLLMLoRABackend(ABC):
     def __init__(self, spec: VLLMServingSpec):
         self.spec = spec
         self.llm: Any = None
+        #: the last sync's wall seconds by phase, where the backend splits it (the generation class logs them)
+        self.last_phases: dict[str, float] = {}
 
     @abstractmethod
     def engine_kwargs(self, model: nn.Module) -> dict[str, Any]:

@@ -13,20 +13,30 @@ __all__ = ["lora_target_leaves", "peft_lora_modules", "peft_to_vllm_lora_tensors
 def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
     """The adapter's tensors under the names vLLM's LoRA loader parses (PEFT's saved-adapter names).
 
-    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` etc.: PEFT's own serialization, so vLLM's
-    ``parse_fine_tuned_lora_name`` maps them onto its (packed) qkv_proj / gate_up_proj LoRA slices.
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` etc.: the names PEFT's
+    ``get_peft_model_state_dict`` gives, so vLLM's ``parse_fine_tuned_lora_name`` maps them onto its (packed)
+    qkv_proj / gate_up_proj LoRA slices. Read from the LoRA layers themselves, not through
+    ``get_peft_model_state_dict``: that walks the whole model's ``state_dict()`` and, with its default
+    ``save_embedding_layers="auto"``, re-reads the base model's config (or asks the Hub) on every call, work that
+    grows with the model and is repeated every round of the ``"vllm"`` backend's sync.
     """
-    from peft.utils import get_peft_model_state_dict
-
-    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
     out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if not (name.endswith(".lora_A.weight") or name.endswith(".lora_B.weight")):
+    for name, module in model.named_modules():
+        lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+        extra = [key for key in ("lora_embedding_A", "lora_magnitude_vector")
+                 if adapter_name in (getattr(module, key, None) or {})]  # fmt: skip
+        if isinstance(lora_b, nn.ModuleDict) and adapter_name in lora_b and lora_b[adapter_name].bias is not None:
+            extra.append("lora_B bias")
+        if extra or (isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
+                     and adapter_name in module.modules_to_save):  # fmt: skip
             raise ValueError(
-                f"Adapter tensor {name!r} is not a LoRA A/B weight; vLLM can serve only plain LoRA adapters "
-                "(no DoRA magnitudes, biases, embeddings or modules_to_save)."
+                f"Adapter tensor of {name!r} ({', '.join(extra) or 'modules_to_save'}) is not a LoRA A/B weight; vLLM "
+                "can serve only plain LoRA adapters (no DoRA magnitudes, biases, embeddings or modules_to_save)."
             )
-        out[name] = t.detach()
+        if not isinstance(lora_a, nn.ModuleDict) or adapter_name not in lora_a:
+            continue
+        out[f"{name}.lora_A.weight"] = lora_a[adapter_name].weight.detach()
+        out[f"{name}.lora_B.weight"] = lora_b[adapter_name].weight.detach()
     if not out:
         raise ValueError(f"The model has no LoRA weights for adapter {adapter_name!r}.")
     return out
