@@ -118,6 +118,7 @@ class StackSampler(threading.Thread):
         super().__init__(daemon=True)
         self.path, self.every, self.depth = path, every, depth
         self._stop_event = threading.Event()
+        self.sampled = threading.Event()  #: set once a sample is on disk (what a test waits on, instead of a sleep)
 
     def run(self) -> None:
         main = threading.main_thread().ident
@@ -130,6 +131,7 @@ class StackSampler(threading.Thread):
                 lines = [f"  {fs.filename}:{fs.lineno} {fs.name}" for fs in traceback.extract_stack(frame)]
                 f.write(f"--- {time.perf_counter() - t0:.1f} s\n" + "\n".join(lines[-self.depth:]) + "\n")
                 f.flush()
+                self.sampled.set()
 
     def finish(self) -> None:
         self._stop_event.set()

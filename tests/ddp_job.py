@@ -85,20 +85,21 @@ def main() -> None:
         from accelerate import PartialState
         from transformers import AutoTokenizer
 
-        from qerl_trl.trainer import grpo_trainer
+        from qerl_trl.trainer import policy
+        from qerl_trl.trainer.policy import load_nvfp4_model, vllm_checkpoint
 
         rank = PartialState().process_index
         calls = []
-        ensure = grpo_trainer.ensure_cached_checkpoint
+        ensure = policy.ensure_cached_checkpoint
 
         def recorded_ensure(*args_, **kwargs):
             calls.append(ensure(*args_, **kwargs))
             return calls[-1]
 
-        grpo_trainer.ensure_cached_checkpoint = recorded_ensure
-        model, _ = QeRLGRPOTrainer._load_nvfp4_model(a.model, args)
+        policy.ensure_cached_checkpoint = recorded_ensure
+        model, _ = load_nvfp4_model(a.model, args)
         tokenizer = AutoTokenizer.from_pretrained(a.model)
-        path = QeRLGRPOTrainer._vllm_checkpoint(model, a.model, False, tokenizer, args)
+        path = vllm_checkpoint(model, a.model, False, tokenizer, args)
         with open(os.path.join(a.out, f"rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps({"event": "cache", "path": path, "written": calls[-1][1]}) + "\n")
         return

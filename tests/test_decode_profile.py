@@ -37,7 +37,8 @@ def _events(steps: int, t0: float = 0.0):
     on another stream, a 5 us sampling kernel, and a 20 us host gap before the next step."""
     ev, t = [("humming_prefill", t0, t0 + 100.0)], t0 + 100.0
     for _ in range(steps):
-        ev += [("humming<cfg>", t, t + 30), ("_lora_expand_kernel", t + 25, t + 35), ("argmax reduce_kernel", t + 35, t + 40)]
+        ev += [("humming<cfg>", t, t + 30), ("_lora_expand_kernel", t + 25, t + 35),
+               ("argmax reduce_kernel", t + 35, t + 40)]
         t += 60
     return ev
 

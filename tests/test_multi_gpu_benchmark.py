@@ -25,6 +25,21 @@ def test_one_rank_trains_and_its_row_has_timings_and_checks(tiny, tmp_path, monk
     e2e.prepare_checkpoints(work, tiny, need_bf16=False)
     spec = e2e.RowSpec(tiny, "qerl", prompts=2, generations=4, completion_len=6, sleep=False, generation="hf")
     monkeypatch.setenv("RANK", "0")
+    # The trainer's build waits for the sampler's first sample, so the test never races the sampler (a tiny model's
+    # build once ended before a 0.05 s sampler woke on a loaded 2-core machine, and stacks0.txt was empty).
+    samplers, build = [], e2e.build_trainer
+
+    class Recorded(mg.StackSampler):
+        def start(self):
+            samplers.append(self)
+            super().start()
+
+    def build_trainer(*args, **kwargs):
+        assert samplers and samplers[0].sampled.wait(120), "the stack sampler took no sample while the trainer built"
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(mg, "StackSampler", Recorded)
+    monkeypatch.setattr(e2e, "build_trainer", build_trainer)
     mg.run_rank(spec, work, steps=3, tp=1, out_dir=work, stack_every=0.05)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["status"] == "ok", rank0.get("traceback")

@@ -242,11 +242,12 @@ def test_moe_is_refused_before_weights_load_naming_the_missing_parts(tmp_path, k
 def test_vllm_checkpoint_from_an_instance_quantized_in_place(tmp_path):
     """The checkpoint vLLM would serve for an instance quantized in place is NVFP4A16 with the same tensors."""
     from qerl_trl.trainer.model_forms import quantize_instance
+    from qerl_trl.trainer.policy import vllm_checkpoint
 
     model = tiny_model("qwen2")
     quantize_instance(model, None)  # what the trainer does to an instance before PEFT wraps it
     args = config(tmp_path, nvfp4_cache_dir=str(tmp_path / "cache"))
-    path = QeRLGRPOTrainer._vllm_checkpoint(model, None, False, make_tokenizer(), args)
+    path = vllm_checkpoint(model, None, False, make_tokenizer(), args)
     served = load_nvfp4(path, dtype=torch.bfloat16)
     for name, m in model.named_modules():
         if isinstance(m, NVFP4Linear):

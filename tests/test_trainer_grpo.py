@@ -266,7 +266,7 @@ def test_the_policy_loads_onto_the_processs_own_gpu():
     there a 16-bit checkpoint would be quantized by the CPU. The CPU where the process runs there."""
     from types import SimpleNamespace
 
-    from qerl_trl.trainer.grpo_trainer import load_device_map
+    from qerl_trl.trainer.policy import load_device_map
 
     def state(kind, device):
         return SimpleNamespace(distributed_type=kind, device=torch.device(device))

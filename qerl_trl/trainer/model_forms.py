@@ -1,6 +1,6 @@
 """Every form of ``model=`` that TRL's ``GRPOTrainer`` accepts, brought to an NVFP4 base plus one LoRA.
 
-* a model id/path: loaded through ``NVFP4Config`` (``QeRLGRPOTrainer._load_nvfp4_model``);
+* a model id/path: loaded through ``NVFP4Config`` (``policy.load_nvfp4_model``);
 * a 16-bit ``PreTrainedModel``: quantized in place, one fused group at a time (``quantize_instance``);
 * an NVFP4 ``PreTrainedModel`` (``from_pretrained(..., quantization_config=NVFP4Config())``): used as it is;
 * a ``PeftModel`` (16-bit or NVFP4 base): its LoRA config and adapter weights are kept, its base is quantized
