@@ -181,6 +181,7 @@ def run_check(
     sleep_mode: bool = False,
     max_completion_length: int = 48,
     lora_backend: str = "qerl",
+    lora_sync_in_place: bool = False,
 ) -> list[dict]:
     from datasets import Dataset
 
@@ -213,6 +214,7 @@ def run_check(
         aqn_num_stages=stages,
         nvfp4_cache_dir=os.path.join(work, "cache"),
         vllm_lora_backend=lora_backend,
+        vllm_lora_sync_in_place=lora_sync_in_place,
         seed=0,
     )
     t0 = time.perf_counter()
@@ -300,6 +302,7 @@ def run_check(
                     all(math.isfinite(h["loss"]) for h in steps)))
     for r in rows:
         r["lora_backend"] = lora_backend
+        r["lora_sync_in_place"] = lora_sync_in_place
         if sleep_mode:
             r["check"] = "sleep1/" + r["check"]
     return rows
@@ -312,11 +315,15 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--sleep", action="store_true", help="also vllm_enable_sleep_mode=True (sleep level 1)")
     ap.add_argument("--lora_backend", default="qerl", choices=["qerl", "vllm"], help="QeRLGRPOConfig.vllm_lora_backend")
+    ap.add_argument("--lora_sync_in_place", action="store_true",
+                    help='QeRLGRPOConfig.vllm_lora_sync_in_place (lora_backend "vllm": later rounds refresh the '
+                    "loaded adapter on the GPU)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from benchmarks._common import gpu_tag, result_envelope
 
-    rows = run_check(a.gguf, a.work, a.steps, sleep_mode=a.sleep, lora_backend=a.lora_backend)
+    rows = run_check(a.gguf, a.work, a.steps, sleep_mode=a.sleep, lora_backend=a.lora_backend,
+                     lora_sync_in_place=a.lora_sync_in_place)
     for r in rows:
         print(json.dumps(r, default=str))
     tag = gpu_tag() if a.lora_backend == "vllm" else f"{a.lora_backend}-{gpu_tag()}"

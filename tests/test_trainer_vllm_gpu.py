@@ -15,11 +15,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("lora_backend", ["vllm", "qerl"])
-def test_colocate_vllm_lora_aqn_fp4_kernel(tmp_path, smollm2_gguf, lora_backend):
+@pytest.mark.parametrize("lora_backend,extra", [("vllm", []), ("qerl", []),
+                                                ("vllm", ["--lora_sync_in_place", "--sleep"])],
+                         ids=["vllm", "qerl", "vllm_in_place_sleep"])  # fmt: skip
+def test_colocate_vllm_lora_aqn_fp4_kernel(tmp_path, smollm2_gguf, lora_backend, extra):
+    """The "vllm" backend's in-place refresh (vllm_lora_sync_in_place) with sleep mode on: the rounds after the
+    first write the LoRA into the loaded adapter, and the log-prob match after a sync checks they landed."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "colocate_check.py"), "--gguf", smollm2_gguf,
-           "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out)]  # fmt: skip
+           "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out), *extra]  # fmt: skip
     from qerl_trl.study.runner import child_env
 
     # a fresh single-process job, whatever this process ran before (no inherited torch.distributed rendezvous)

@@ -468,3 +468,124 @@ def test_adapter_sync_does_no_work_that_grows_with_steps_or_model(tmp_path, monk
     assert loaded == {6} and len(set(sizes)) == 1 and list(tmp_path.iterdir()) == []
     lora_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if "lora_" in n)  # bf16 on disk
     assert lora_bytes < sizes[0] < lora_bytes + 64 * 1024  # the LoRA and its header, nothing of the base
+
+
+def _fake_lora_request_module(monkeypatch):
+    import types
+
+    class LoRARequest:
+        def __init__(self, lora_name, lora_int_id, lora_path):
+            self.lora_int_id, self.lora_path = lora_int_id, lora_path
+
+    fake_vllm = types.ModuleType("vllm.lora.request")
+    fake_vllm.LoRARequest = LoRARequest
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", fake_vllm)
+
+
+def test_in_place_sync_loads_once_through_files_then_refreshes_that_adapter(tmp_path, monkeypatch):
+    """vllm_lora_sync_in_place: the first round (and the first after a clear) through files and add_lora; every
+    other round one refresh of the same adapter id on the engine's worker, with the round's tensors (copies: vLLM
+    scales B in place) and the adapter's config; the LoRARequest stays the same."""
+    import types
+
+    from qerl_trl.trainer.vllm_serving.adapter_refresh import refresh_adapter_in_place
+
+    _fake_lora_request_module(monkeypatch)
+    calls = []
+
+    class Engine:
+        def add_lora(self, request):
+            calls.append(("add", request.lora_int_id))
+
+        def remove_lora(self, lora_id):
+            calls.append(("remove", lora_id))
+
+        def collective_rpc(self, method, args=()):
+            lora_id, tensors, cfg = args
+            calls.append(("refresh", lora_id, method is refresh_adapter_in_place, len(tensors), cfg["r"]))
+            refreshed.append(tensors)
+            return [len(tensors) // 2]
+
+    refreshed = []
+    model, _ = _peft_tiny(r=8)
+    spec = vl.VLLMServingSpec(checkpoint="c", tokenizer="c", max_lora_rank=8, lora_sync_dir=str(tmp_path),
+                              lora_backend="vllm", lora_sync_in_place=True)  # fmt: skip
+    backend = vl.AdapterLoRABackend(spec)
+    backend.attach(types.SimpleNamespace(llm_engine=Engine()))
+    gather, _ = _no_gather_calls()
+    requests = [backend.sync(model, gather) for _ in range(3)]
+    assert requests[0] is requests[1] is requests[2] and requests[0].lora_int_id == 1
+    assert calls == [("add", 1), ("refresh", 1, True, 28, 8), ("refresh", 1, True, 28, 8)]
+    assert set(backend.last_phases) == {"read", "load"} and list(tmp_path.iterdir()) == []
+    lora_b = model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight
+    sent = refreshed[-1]["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert torch.equal(sent, lora_b) and sent.data_ptr() != lora_b.data_ptr()  # a copy: vLLM scales it in place
+    assert backend.clear() == 1 and calls[-1] == ("remove", 1)
+    assert backend.sync(model, gather) is not requests[0] and calls[-1] == ("add", 1)  # through files again
+
+
+def test_in_place_sync_is_on_without_tensor_parallelism_by_default(tmp_path):
+    from qerl_trl import QeRLGRPOConfig
+
+    def cfg(**kw):
+        return QeRLGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kw)
+
+    assert cfg().lora_sync_in_place_in_effect
+    assert not cfg(vllm_lora_sync_in_place=False).lora_sync_in_place_in_effect
+
+
+@pytest.mark.vllm_on_cpu
+def test_refresh_in_place_builds_the_adapter_with_vllms_own_classes(monkeypatch):
+    """vLLM 0.24's LoRAModel and PEFTHelper (on the CPU) build the refreshed adapter from PEFT's names; the manager
+    drops the old one, adds and activates the new one under the same id. The names of vLLM's internals used here
+    are checked to exist, so a vLLM that renames them fails this test, not a user's training run."""
+    import inspect
+    import types
+
+    pytest.importorskip("vllm")
+    from vllm.lora import lora_model, model_manager, worker_manager
+
+    monkeypatch.setattr(lora_model, "PIN_MEMORY", False)  # no CUDA here to pin with (on the GPU the tensors are there)
+
+    from qerl_trl.trainer.vllm_serving.adapter_lora import adapter_config_dict
+    from qerl_trl.trainer.vllm_serving.adapter_refresh import refresh_adapter_in_place
+
+    for name in ("remove_adapter", "add_adapter", "activate_adapter", "list_adapters"):
+        assert callable(getattr(model_manager.LRUCacheLoRAModelManager, name))
+    init = inspect.getsource(worker_manager.WorkerLoRAManager.__init__)
+    for attr in ("max_position_embeddings", "vocab_size", "lora_config", "device", "_adapter_manager"):
+        assert f"self.{attr}" in init, attr
+
+    peft_model, cfg = _peft_tiny(r=8)
+    tensors = {k: v.clone() for k, v in vl.peft_to_vllm_lora_tensors(peft_model).items()}
+    calls = []
+
+    class Manager:
+        model = torch.nn.Module()
+
+        def list_adapters(self):
+            return {3: "old"}
+
+        def remove_adapter(self, i):
+            calls.append(("remove", i))
+
+        def add_adapter(self, lora):
+            calls.append(("add", lora.id, lora.rank, sorted(lora.loras)[:2]))
+            added.append(lora)
+
+        def activate_adapter(self, i):
+            calls.append(("activate", i))
+
+    added = []
+    loras = types.SimpleNamespace(_adapter_manager=Manager(), max_position_embeddings=128, vocab_size=256,
+                                  device=torch.device("cpu"),
+                                  lora_config=types.SimpleNamespace(lora_dtype=torch.float32, max_lora_rank=8,
+                                                                    max_loras=1, fully_sharded_loras=False))  # fmt: skip
+    worker = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(lora_manager=loras)))
+    n = refresh_adapter_in_place(worker, 3, tensors, adapter_config_dict(cfg))
+    assert n == 14 and calls[0] == ("remove", 3) and calls[-1] == ("activate", 3)
+    assert calls[1][:3] == ("add", 3, 8)
+    q = added[0].loras["model.layers.0.self_attn.q_proj"]
+    torch.testing.assert_close(q.lora_a, tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"])
+    with pytest.raises(RuntimeError, match="no adapter 4"):
+        refresh_adapter_in_place(worker, 4, tensors, adapter_config_dict(cfg))

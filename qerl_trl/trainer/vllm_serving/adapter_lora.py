@@ -1,8 +1,9 @@
 """``vllm_lora_backend="vllm"``: the policy's LoRA served as a vLLM adapter (vLLM's own LoRA support, punica kernels).
 
-Each round the adapter travels through a RAM-backed directory (``/dev/shm``) with vLLM's public ``LoRARequest`` /
-``llm_engine.add_lora`` API; the files are deleted as soon as vLLM has loaded them, and only the newest adapter
-stays loaded.
+The first round the adapter travels through a RAM-backed directory (``/dev/shm``) with vLLM's public
+``LoRARequest`` / ``llm_engine.add_lora`` API, the files deleted as soon as vLLM has loaded them. Later rounds write
+the new weights into that adapter on the GPU (:mod:`.adapter_refresh`; ``vllm_lora_sync_in_place=False``: a new
+adapter through files every round, the older one removed).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from .peft_tensors import peft_to_vllm_lora_tensors
 __all__ = ["AdapterLoRABackend", "write_adapter_dir"]
 
 
+def adapter_config_dict(peft_config: Any) -> dict[str, Any]:
+    """The adapter's ``adapter_config.json`` as a plain dict (sets as sorted lists)."""
+    cfg = peft_config.to_dict()
+    return json.loads(json.dumps(cfg, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
+
+
 def write_adapter_dir(
     path: str, tensors: dict[str, torch.Tensor], peft_config: Any, dtype: torch.dtype = torch.bfloat16
 ) -> None:
@@ -30,10 +37,8 @@ def write_adapter_dir(
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    cfg = peft_config.to_dict()
-    cfg = json.loads(json.dumps(cfg, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(cfg, f)
+        json.dump(adapter_config_dict(peft_config), f)
     save_file(
         {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in tensors.items()},
         os.path.join(path, "adapter_model.safetensors"),
@@ -41,18 +46,32 @@ def write_adapter_dir(
 
 
 class _AdapterPusher:
-    """Pushes one adapter per round into the engine; only the newest one stays loaded.
+    """Pushes the adapter into the engine each round; only the newest one stays loaded.
 
-    ``phases`` holds the last push's wall time by phase (``write``: the files in ``sync_dir``; ``load``: vLLM's
-    ``remove_lora`` + ``add_lora``), so a slow sync says where its time went."""
+    The first round (and the first after :meth:`clear`) goes through vLLM's public API: the files in ``sync_dir``,
+    then ``add_lora``. Later rounds, with ``in_place``, write the new weights into that loaded adapter on the GPU
+    (:func:`~.adapter_refresh.refresh_adapter_in_place`), under the same ``LoRARequest``; without it, each round is a
+    new adapter through files, the previous one removed. ``phases`` holds the last push's wall time by phase
+    (``write``: the files; ``load``: vLLM's load or the refresh), so a slow sync says where its time went."""
 
-    def __init__(self, llm: Any, sync_dir: str):
+    def __init__(self, llm: Any, sync_dir: str, in_place: bool = True):
         self.llm = llm
         self.sync_dir = sync_dir
+        self.in_place = in_place
         self.current_id = 0
+        self.request: Any = None
         self.phases: dict[str, float] = {}
 
     def push(self, tensors: dict[str, torch.Tensor], peft_config: Any):
+        if self.in_place and self.request is not None:
+            from .adapter_refresh import refresh_adapter_in_place
+
+            t0 = time.perf_counter()
+            self.llm.llm_engine.collective_rpc(
+                refresh_adapter_in_place, args=(self.current_id, tensors, adapter_config_dict(peft_config))
+            )
+            self.phases = {"load": time.perf_counter() - t0}
+            return self.request
         from vllm.lora.request import LoRARequest
 
         new_id = self.current_id + 1
@@ -69,8 +88,16 @@ class _AdapterPusher:
             self.phases = {"write": t1 - t0, "load": time.perf_counter() - t1}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        self.current_id = new_id
+        self.current_id, self.request = new_id, request
         return request
+
+    def remove(self) -> int:
+        """Unload the adapter (the next push loads one through files again); return how many were loaded."""
+        if not self.current_id:
+            return 0
+        self.llm.llm_engine.remove_lora(self.current_id)
+        self.current_id, self.request = 0, None
+        return 1
 
 
 class AdapterLoRABackend(VLLMLoRABackend):
@@ -86,7 +113,7 @@ class AdapterLoRABackend(VLLMLoRABackend):
 
     def attach(self, llm: Any) -> None:
         super().attach(llm)
-        self._pusher = _AdapterPusher(llm, self.spec.lora_sync_dir)
+        self._pusher = _AdapterPusher(llm, self.spec.lora_sync_dir, self.spec.lora_sync_in_place)
 
     def sync(self, model: nn.Module, gather_params: GatherParams) -> Any:
         t0 = time.perf_counter()
@@ -98,8 +125,4 @@ class AdapterLoRABackend(VLLMLoRABackend):
         return request
 
     def clear(self) -> int:
-        if not self._pusher.current_id:
-            return 0
-        self.llm.llm_engine.remove_lora(self._pusher.current_id)
-        self._pusher.current_id = 0
-        return 1
+        return self._pusher.remove()
