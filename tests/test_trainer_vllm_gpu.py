@@ -19,11 +19,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
                                                 ("vllm", ["--lora_sync_in_place", "--sleep"])],
                          ids=["vllm", "qerl", "vllm_in_place_sleep"])  # fmt: skip
 def test_colocate_vllm_lora_aqn_fp4_kernel(tmp_path, smollm2_gguf, lora_backend, extra):
-    """The "vllm" backend's in-place refresh (vllm_lora_sync_in_place) with sleep mode on: the rounds after the
-    first write the LoRA into the loaded adapter, and the log-prob match after a sync checks they landed."""
+    """Every check of colocate_check, per LoRA backend; the third case runs the "vllm" backend's in-place refresh
+    (``vllm_lora_sync_in_place``) with sleep mode on: the rounds after the first write the LoRA into the loaded
+    adapter, and the log-prob match after the check's own sync of a perturbed LoRA says they landed."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "colocate_check.py"), "--gguf", smollm2_gguf,
-           "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out), *extra]  # fmt: skip
+           "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out),
+           *extra]  # fmt: skip
     from qerl_trl.study.runner import child_env
 
     # a fresh single-process job, whatever this process ran before (no inherited torch.distributed rendezvous)
@@ -34,7 +36,7 @@ def test_colocate_vllm_lora_aqn_fp4_kernel(tmp_path, smollm2_gguf, lora_backend,
     print("\n".join(json.dumps({k: r.get(k) for k in ("check", "value", "ok")}, default=str) for r in rows))
     bad = [r for r in rows if r["ok"] is False]
     assert not bad, bad
-    checks = {r["check"] for r in rows}
+    checks = {r["check"].removeprefix("sleep1/") for r in rows}  # --sleep names its rows sleep1/<check>
     assert {"aqn_absent_stage0", "aqn_sigma_in_vllm", "fp4_kernel", "is_ratio_mean",
             "lora_logprob_match_vllm_vs_trainer", "lora_served_vllm_lora_vs_base"} <= checks
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -137,7 +137,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 fp32_norm_names=norm_names,
                 enforce_eager=args.vllm_enforce_eager,
                 lora_sync_dir=args.vllm_lora_sync_dir,
-                lora_sync_in_place=args.lora_sync_in_place_in_effect,
+                lora_sync_in_place=args.vllm_lora_sync_in_place,
                 lora_backend=args.vllm_lora_backend,
                 fp4_kernel=kernel,
             )
