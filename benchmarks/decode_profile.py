@@ -152,7 +152,7 @@ def profile_decode_step(llm: Any, batch_prompts: list, request: Any, config: Any
 def table(rows: Iterable[dict]) -> str:
     """Markdown: one line per row with a ``decode_profile``."""
     cols = ("fp4_gemm", "lora", "attention", "norm_rope_act", "logits_gemm", "sampling", "copy", OTHER)
-    lines = ["| arm | batch | step | GPU busy | host gap | " + " | ".join(cols) + " | FP4 GEMM GB/s |",
+    lines = ["| arm | batch | step (ms) | GPU busy | host gap | " + " | ".join(cols) + " | FP4 GEMM GB/s |",
              "|" + "---|" * (len(cols) + 6)]
     for r in rows:
         p = r.get("decode_profile")

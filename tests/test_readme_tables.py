@@ -1,8 +1,9 @@
-"""README's measured tables must be the committed result files' rows (issue #25: "README's tables come from them").
+"""The measured tables of README.md and docs/ must be the committed result files' rows (issue #25: "README's tables
+come from them"; issue #56 moved most of them to docs/).
 
-Each figure in the rollout tables (7B, 14B, 32B) and the GRPO step table of issue #25's settings is looked up in
-``benchmarks/results/*-h100.json`` by the run the README names, and must round to what README prints. A README edited
-by hand, or a result file re-merged without updating README, fails here.
+Each figure in the rollout tables (7B, 14B, 32B), the GRPO step tables of issue #25's settings, the several-GPU
+tables and the decode-step profile is looked up in ``benchmarks/results/`` by the run the text names, and must round
+to what is printed. A table edited by hand, or a result file re-merged without updating the page, fails here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+#: README.md and every docs/ page, one after another (a table's run is named in its own page's text above it)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README = "\n\n".join(p.read_text() for p in PAGES)
 RUN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{6}")
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
@@ -86,8 +89,14 @@ def test_rollout_tables_are_the_json_rows_of_the_run_they_name(size):
     assert not missing, f"README's {size} rollout tables leave out {missing}"
 
 
-def test_the_step_table_is_the_json_rows_of_the_runs_it_names():
-    ((_, header, body),) = _tables("| setting | run (commit) |")
+def test_the_step_tables_are_the_json_rows_of_the_runs_they_name():
+    tables = _tables("| setting | run (commit) |")
+    assert len(tables) == 2, "README's headline step table and docs/benchmarks.md's"
+    for _, header, body in tables:
+        _check_step_table(header, body)
+
+
+def _check_step_table(header: list[str], body: list[list[str]]) -> None:
     assert header == ["setting", "run (commit)", "arm", "step", "rollout / sync / rest", "peak", "× TRL BF16 LoRA"]
     rows = _rows("e2e_step-h100.json")
     setting = run = commit = None
@@ -152,3 +161,15 @@ def test_the_14b_tensor_parallel_table_is_the_committed_rows():
     tp2 = rows["tp2"]["checks"]
     assert tp2["lora_same_on_every_rank"] and tp2["aqn_same_on_every_rank"] and tp2["noise_free_logprob_gap_ok"]
     assert rows["tp2"]["status"] == "ok"
+
+
+def test_the_decode_profile_table_is_the_json_rows():
+    """Issue #55 item 3: the decode-step table of docs/benchmarks.md is what ``decode_profile.py`` prints from the
+    committed rows, and the page names the run they came from."""
+    from benchmarks.decode_profile import table
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    result = json.loads((ROOT / "benchmarks" / "results" / "rollout-h200.json").read_text())
+    assert table(result["rows"]) in text
+    runs = {r["run"] for r in result["rows"] if r.get("decode_profile")}
+    assert runs and all(run in text for run in runs)

@@ -3,7 +3,8 @@
 - :mod:`.versions`: the vLLM version check; :mod:`.lora_rules`: which LoRAs vLLM serves, at which rank;
 - :mod:`.peft_tensors`: the policy's LoRA read out of PEFT;
 - :mod:`.lora_backend`: the LoRA backend interface (engine arguments, sync, clear), implemented by
-  :mod:`.adapter_lora` (``vllm_lora_backend="vllm"``: vLLM's adapters) and :mod:`.in_layer_lora` (``"qerl"``);
+  :mod:`.adapter_lora` (``vllm_lora_backend="vllm"``: vLLM's adapters; :mod:`.adapter_refresh` refreshes a loaded
+  one in place) and :mod:`.in_layer_lora` (``"qerl"``);
 - :mod:`.fp4_kernel_choice`: the engine's FP4 kernel (Humming or Marlin) on this machine;
 - :mod:`.fp32_norms`: AQN's float32 norms inside vLLM; :mod:`.compile_cache`: the compile-cache key for them;
 - :mod:`.serving_spec`, :mod:`.serving_llm`, :mod:`.generation`: what the engine serves, the proxy TRL calls, and
