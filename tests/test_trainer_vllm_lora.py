@@ -310,8 +310,7 @@ def _no_gather_calls():
     return gather, seen
 
 
-def test_adapter_backend_pushes_one_adapter_per_sync_and_clears_it(tmp_path, monkeypatch):
-    """vllm_lora_backend="vllm": engine arguments, a LoRARequest per sync (the older one removed), and clear."""
+def _fake_lora_request_module(monkeypatch):
     import types
 
     class LoRARequest:
@@ -321,6 +320,13 @@ def test_adapter_backend_pushes_one_adapter_per_sync_and_clears_it(tmp_path, mon
     fake_vllm = types.ModuleType("vllm.lora.request")
     fake_vllm.LoRARequest = LoRARequest
     monkeypatch.setitem(sys.modules, "vllm.lora.request", fake_vllm)
+
+
+def test_adapter_backend_pushes_one_adapter_per_sync_and_clears_it(tmp_path, monkeypatch):
+    """vllm_lora_backend="vllm": engine arguments, a LoRARequest per sync (the older one removed), and clear."""
+    import types
+
+    _fake_lora_request_module(monkeypatch)
     loaded = []
 
     class Engine:
@@ -431,13 +437,7 @@ def test_adapter_sync_does_no_work_that_grows_with_steps_or_model(tmp_path, monk
     leave one adapter loaded: nothing in it may grow with the number of steps or with the base model."""
     import types
 
-    class LoRARequest:
-        def __init__(self, lora_name, lora_int_id, lora_path):
-            self.lora_int_id, self.lora_path = lora_int_id, lora_path
-
-    fake_vllm = types.ModuleType("vllm.lora.request")
-    fake_vllm.LoRARequest = LoRARequest
-    monkeypatch.setitem(sys.modules, "vllm.lora.request", fake_vllm)
+    _fake_lora_request_module(monkeypatch)
     calls, sizes, loaded = [], [], set()
 
     class Engine:
@@ -468,18 +468,6 @@ def test_adapter_sync_does_no_work_that_grows_with_steps_or_model(tmp_path, monk
     assert loaded == {6} and len(set(sizes)) == 1 and list(tmp_path.iterdir()) == []
     lora_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if "lora_" in n)  # bf16 on disk
     assert lora_bytes < sizes[0] < lora_bytes + 64 * 1024  # the LoRA and its header, nothing of the base
-
-
-def _fake_lora_request_module(monkeypatch):
-    import types
-
-    class LoRARequest:
-        def __init__(self, lora_name, lora_int_id, lora_path):
-            self.lora_int_id, self.lora_path = lora_int_id, lora_path
-
-    fake_vllm = types.ModuleType("vllm.lora.request")
-    fake_vllm.LoRARequest = LoRARequest
-    monkeypatch.setitem(sys.modules, "vllm.lora.request", fake_vllm)
 
 
 def test_in_place_sync_loads_once_through_files_then_refreshes_that_adapter(tmp_path, monkeypatch):
@@ -576,10 +564,10 @@ def test_refresh_in_place_builds_the_adapter_with_vllms_own_classes(monkeypatch)
             calls.append(("activate", i))
 
     added = []
+    lora_config = types.SimpleNamespace(lora_dtype=torch.float32, max_lora_rank=8, max_loras=1,
+                                        fully_sharded_loras=False)  # fmt: skip
     loras = types.SimpleNamespace(_adapter_manager=Manager(), max_position_embeddings=128, vocab_size=256,
-                                  device=torch.device("cpu"),
-                                  lora_config=types.SimpleNamespace(lora_dtype=torch.float32, max_lora_rank=8,
-                                                                    max_loras=1, fully_sharded_loras=False))  # fmt: skip
+                                  device=torch.device("cpu"), lora_config=lora_config)  # fmt: skip
     worker = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(lora_manager=loras)))
     n = refresh_adapter_in_place(worker, 3, tensors, adapter_config_dict(cfg))
     assert n == 14 and calls[0] == ("remove", 3) and calls[-1] == ("activate", 3)
