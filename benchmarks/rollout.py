@@ -23,8 +23,9 @@ Each FP4 arm runs on an FP4 kernel, named after an ``@``: ``nvfp4@humming``, ``n
 ``fp4_kernel="humming"`` for ``nvfp4_qerl_lora``. Each row names its ``kernel`` and the kernels its engine's linears
 really ran (``fp4_kernels``: layer counts per kernel).
 
-A row per (size, arm, batch): ``tokens_per_s`` (generated tokens over the wall time of one ``generate`` call of
-``batch`` prompts of ``--prompt-len`` tokens; the prefill is included and small next to the decode),
+A row per (size, arm, batch): ``tokens_per_s`` (generated tokens over the wall time of a ``generate`` call of
+``batch`` prompts of ``--prompt-len`` tokens, the median of ``--repeats`` calls, with ``tokens_per_s_min`` /
+``_max``; rows before the option timed one call; the prefill is included and small next to the decode),
 ``ms_per_token_step`` and ``vs_bf16_merged``; ``weights`` (where they came from), ``kv_tokens`` (the engine's KV
 cache capacity) and ``kv_limited`` (the batch's tokens exceed it, so vLLM ran fewer sequences at once). An engine
 that fails or runs out of memory gives rows with its status. Every row keeps its ``commit`` and ``run`` (one
@@ -45,6 +46,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -77,6 +79,7 @@ class EngineSpec:
     lora_r: int = 32
     kernel: str | None = None  # FP4 arms: "marlin" or "humming"; None for bf16_merged
     profile_batches: tuple[int, ...] = ()  # after the timed batches: one decode step of each, profiled
+    repeats: int = 5  # timed generate calls per batch: the row is the median call, with the min-max of tokens/s
 
 
 def parse_arm(text: str) -> tuple[str, str | None]:
@@ -243,16 +246,14 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
         rows = []
         for batch in spec.batches:
             batch_prompts = prompts(batch)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            outs = llm.generate(batch_prompts, params, lora_request=request, use_tqdm=False)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t1
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rows.append(dict(base, batch=batch, status="ok" if tokens == batch * spec.gen_len else
-                             f"check_failed: {tokens} tokens generated, want {batch * spec.gen_len}",
-                             wall_s=round(wall, 3), tokens=tokens, tokens_per_s=round(tokens / wall, 1),
-                             ms_per_token_step=round(1000 * wall / spec.gen_len, 3), init_s=round(init_s, 1),
+            tokens, walls = timed_generates(
+                lambda: llm.generate(batch_prompts, params, lora_request=request, use_tqdm=False),
+                spec.repeats, torch.cuda.synchronize)
+            timing = repeat_summary(tokens, walls)
+            bad = [t for t in tokens if t != batch * spec.gen_len]
+            rows.append(dict(base, batch=batch, status="ok" if not bad else
+                             f"check_failed: {bad[0]} tokens generated, want {batch * spec.gen_len}", **timing,
+                             ms_per_token_step=round(1000 * timing["wall_s"] / spec.gen_len, 3), init_s=round(init_s, 1),
                              gpu_memory_utilization=source_kwargs["gpu_memory_utilization"], kv_tokens=kv_tokens,
                              kv_limited=bool(kv_tokens) and batch * (spec.prompt_len + spec.gen_len) > kv_tokens))  # fmt: skip
         for batch in spec.profile_batches:  # after the timed batches: where one decode step's time goes
@@ -266,6 +267,31 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
     except BaseException as e:  # noqa: BLE001 - a failed engine is rows with its status
         return [dict(base, batch=b, status=e2e._classify(e), traceback=traceback.format_exc()[-2500:])
                 for b in spec.batches]  # fmt: skip
+
+
+def timed_generates(generate: Callable[[], list], repeats: int,
+                    sync: Callable[[], None]) -> tuple[list[int], list[float]]:  # fmt: skip
+    """``repeats`` calls of ``generate`` (one batch), each between device syncs: the tokens each call generated and
+    its wall seconds."""
+    tokens, walls = [], []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        outs = generate()
+        sync()
+        walls.append(time.perf_counter() - t0)
+        tokens.append(sum(len(o.outputs[0].token_ids) for o in outs))
+    return tokens, walls
+
+
+def repeat_summary(tokens: list[int], walls: list[float]) -> dict:
+    """A row's timing over its repeats: the median call (``wall_s``, ``tokens_per_s``) with the fastest and slowest
+    calls' tokens/s, and every call's wall time."""
+    rates = [t / w for t, w in zip(tokens, walls)]
+    mid = sorted(range(len(walls)), key=lambda i: walls[i])[len(walls) // 2]
+    return {"repeats": len(walls), "wall_s": round(walls[mid], 3), "tokens": tokens[mid],
+            "tokens_per_s": round(rates[mid], 1), "tokens_per_s_min": round(min(rates), 1),
+            "tokens_per_s_max": round(max(rates), 1), "wall_s_per_call": [round(w, 3) for w in walls]}  # fmt: skip
 
 
 def _same(r: dict) -> tuple:
@@ -361,6 +387,8 @@ def main(argv: list[str] | None = None) -> str | None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=512)
     ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed generate calls per batch; a row is the median call, with tokens/s min-max")
     ap.add_argument("--profile-batches", nargs="*", type=int, default=[],
                     help="also profile one decode step at each of these batches (of --batches) per engine: "
                     "benchmarks/decode_profile.py")
@@ -402,7 +430,7 @@ def main(argv: list[str] | None = None) -> str | None:
         e2e.prepare_checkpoints(a.work, size, need_bf16=need_bf16)
         for arm, kernel in arms:
             spec = EngineSpec(size, arm, tuple(a.batches), a.prompt_len, a.gen_len, a.lora_r, kernel,
-                              tuple(a.profile_batches))
+                              tuple(a.profile_batches), a.repeats)
             elapsed = time.monotonic() - start
             limit = engine_timeout(a.timeout, a.deadline, elapsed)
             if limit is None:

@@ -264,3 +264,24 @@ def test_a_benchmark_stopped_by_sigterm_takes_its_running_child_with_it(tmp_path
     except (ProcessLookupError, FileNotFoundError):
         alive = False
     assert not alive, "the arm's child outlived the stopped benchmark"
+
+
+def test_a_batch_is_timed_over_repeats_and_reported_as_the_median_call():
+    """``--repeats``: every call of a batch is timed between device syncs; the row is the median call, with the
+    fastest and slowest calls' tokens/s (issue #55: a ratio comes from 5 or more measured calls)."""
+    import types
+
+    from benchmarks import rollout
+
+    events, walls = [], iter([0.4, 0.1, 0.3, 0.2, 0.5])
+
+    def generate():
+        events.append("generate")
+        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * 8)])] * 4
+
+    tokens, timed = rollout.timed_generates(generate, 5, lambda: events.append("sync"))
+    assert tokens == [32] * 5 and len(timed) == 5 and events == ["sync", "generate", "sync"] * 5
+    row = rollout.repeat_summary([32] * 5, [next(walls) for _ in range(5)])
+    assert row["repeats"] == 5 and row["wall_s"] == 0.3 and row["tokens_per_s"] == round(32 / 0.3, 1)
+    assert row["tokens_per_s_min"] == round(32 / 0.5, 1) and row["tokens_per_s_max"] == 320.0
+    assert row["wall_s_per_call"] == [0.4, 0.1, 0.3, 0.2, 0.5]
