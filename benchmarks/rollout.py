@@ -251,11 +251,11 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
                 spec.repeats, torch.cuda.synchronize)
             timing = repeat_summary(tokens, walls)
             bad = [t for t in tokens if t != batch * spec.gen_len]
-            rows.append(dict(base, batch=batch, status="ok" if not bad else
-                             f"check_failed: {bad[0]} tokens generated, want {batch * spec.gen_len}", **timing,
-                             ms_per_token_step=round(1000 * timing["wall_s"] / spec.gen_len, 3), init_s=round(init_s, 1),
+            status = "ok" if not bad else f"check_failed: {bad[0]} tokens generated, want {batch * spec.gen_len}"
+            rows.append(dict(base, batch=batch, status=status, **timing, init_s=round(init_s, 1),
+                             ms_per_token_step=round(1000 * timing["wall_s"] / spec.gen_len, 3),
                              gpu_memory_utilization=source_kwargs["gpu_memory_utilization"], kv_tokens=kv_tokens,
-                             kv_limited=bool(kv_tokens) and batch * (spec.prompt_len + spec.gen_len) > kv_tokens))  # fmt: skip
+                             kv_limited=bool(kv_tokens) and batch * (spec.prompt_len + spec.gen_len) > kv_tokens))
         for batch in spec.profile_batches:  # after the timed batches: where one decode step's time goes
             from benchmarks.decode_profile import profile_decode_step
 
