@@ -18,6 +18,10 @@ because a random model almost never samples EOS, so every arm does the same work
   builds its colocated engine with vLLM's in-flight bitsandbytes quantization and syncs by merging the LoRA into
   the NF4 base; ``qlora_generation`` rows with ``hf`` generate with the training model instead (``use_vllm=False``).
 
+An arm may run at its own settings: ``ARM:mbN`` (N completions per micro-batch instead of ``MICRO_BATCH``'s) and
+``ARM:nogc`` (no gradient checkpointing), e.g. ``--arms trl_bf16:mb16 qerl_single_lora:mb16``; the row names them,
+and the speed-up's baseline is TRL's fastest setting of the run.
+
 LoRA r32 (alpha 64) on every linear, gradient checkpointing, bf16, 128-token prompts, AdamW, ``max_steps`` steps
 of one generation round each (``per_device_train_batch_size`` completions per micro-batch, gradient accumulation
 over the round). Each row runs in its own process (a fresh CUDA context and vLLM engine) and reports the median of
@@ -41,6 +45,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -83,15 +88,40 @@ class RowSpec:
     completion_len: int
     sleep: bool
     generation: str = "vllm"  # "vllm" (colocate) or "hf" (the training model's generate)
+    micro_batch: int | None = None  # completions per micro-batch; None: MICRO_BATCH's for the completion length
+    grad_ckpt: bool = True  # gradient checkpointing
+
+    @property
+    def arm_options(self) -> str:
+        """The arm as ``--arms`` names it: ``qerl_single_lora:mb16:nogc``."""
+        return self.arm + (f":mb{self.micro_batch}" if self.micro_batch else "") + ("" if self.grad_ckpt else ":nogc")
 
     @property
     def name(self) -> str:
-        return (f"{self.size}/{self.arm}/{self.prompts}x{self.generations}-{self.completion_len}"
+        return (f"{self.size}/{self.arm_options}/{self.prompts}x{self.generations}-{self.completion_len}"
                 f"-{'sleep' if self.sleep else 'nosleep'}{'' if self.generation == 'vllm' else '-hf'}")
 
     @property
     def short(self) -> str:
         return f"{self.prompts}x{self.generations}-{self.completion_len}-{'sleep' if self.sleep else 'nosleep'}"
+
+
+def parse_arm(text: str) -> dict[str, Any]:
+    """``"trl_bf16:mb16:nogc"`` -> ``{"arm": "trl_bf16", "micro_batch": 16, "grad_ckpt": False}``: an arm of
+    :data:`ARMS`, optionally at another micro-batch (``:mbN``) or without gradient checkpointing (``:nogc``), so
+    each arm can run at its own best settings beside the others."""
+    arm, *options = text.split(":")
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r} in {text!r}: one of {ARMS}, with :mbN and/or :nogc")
+    out: dict[str, Any] = {"arm": arm, "micro_batch": None, "grad_ckpt": True}
+    for option in options:
+        if re.fullmatch(r"mb[1-9]\d*", option):
+            out["micro_batch"] = int(option[2:])
+        elif option == "nogc":
+            out["grad_ckpt"] = False
+        else:
+            raise ValueError(f"unknown arm option {option!r} in {text!r}: :mbN (completions per micro-batch) or :nogc")
+    return out
 
 
 def default_matrix(arms: tuple[str, ...] | list[str] = DEFAULT_ARMS) -> list[RowSpec]:
@@ -108,7 +138,8 @@ def default_matrix(arms: tuple[str, ...] | list[str] = DEFAULT_ARMS) -> list[Row
         ("32b", 1, 8, 2048, True),
         ("14b", 8, 8, 512, True),
     ]
-    rows = [RowSpec(size, arm, p, g, length, sleep) for size, p, g, length, sleep in settings for arm in arms]
+    rows = [RowSpec(size=size, prompts=p, generations=g, completion_len=length, sleep=sleep, **parse_arm(arm))
+            for size, p, g, length, sleep in settings for arm in arms]
     if "trl_qlora" in arms:
         rows.append(RowSpec("7b", "trl_qlora", 2, 8, 512, False, "hf"))
     return rows
@@ -290,7 +321,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
 
     paths = checkpoint_paths(work, spec.size)
     n_completions = spec.prompts * spec.generations
-    micro = min(MICRO_BATCH.get(spec.completion_len, 8), n_completions)
+    micro = spec.micro_batch or min(MICRO_BATCH.get(spec.completion_len, 8), n_completions)
     if n_completions % micro:
         raise ValueError(f"{spec.name}: {n_completions} completions do not split into micro-batches of {micro}")
     from transformers import AutoTokenizer
@@ -307,7 +338,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         seed=seed,
         bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),  # CPU: the smoke test, with generation="hf"
-        gradient_checkpointing=True,
+        gradient_checkpointing=spec.grad_ckpt,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=n_completions // micro,
         num_generations=spec.generations,
@@ -361,7 +392,9 @@ def _classify(exc: BaseException) -> str:
 
 def row_name(row: dict) -> str:
     """The matrix name of a result row (``RowSpec.name``)."""
-    return RowSpec(**{f.name: row[f.name] for f in dataclasses.fields(RowSpec)}).name
+    fields = dataclasses.fields(RowSpec)
+    return RowSpec(**{f.name: row.get(f.name, f.default) if f.default is not dataclasses.MISSING else row[f.name]
+                      for f in fields}).name  # rows from before an option was recorded ran at its default
 
 
 def unrunnable(spec: RowSpec) -> str | None:
@@ -382,6 +415,7 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
 
     row: dict[str, Any] = dict(size=spec.size, arm=spec.arm, prompts=spec.prompts, generations=spec.generations,
                                completion_len=spec.completion_len, sleep=spec.sleep, generation=spec.generation,
+                               micro_batch=spec.micro_batch, grad_ckpt=spec.grad_ckpt,
                                prompt_len=PROMPT_TOKENS, lora_r=LORA_R, steps=steps,
                                vllm_gpu_memory_utilization=vllm_memory_utilization(spec.size, card_gib))
     if card_gib is not None:
@@ -541,27 +575,31 @@ def write_meta(jsonl: str, run: str) -> None:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """``speedup_vs_trl_bf16``: TRL BF16 LoRA's median step time over this row's, same size and setting, same run
-    (rows of no run, or of another run, get None: they ran on another machine or at another commit)."""
+    """``speedup_vs_trl_bf16``: TRL BF16 LoRA's median step time (its fastest arm's, where it ran at several
+    micro-batches) over this row's, same size and setting, same run (rows of no run, or of another run, get None:
+    they ran on another machine or at another commit)."""
     def key(r):
         return r["size"], r["prompts"], r["generations"], r["completion_len"], r["sleep"], r.get("run")
 
-    base = {key(r): r["step_s"] for r in rows
-            if r["arm"] == "trl_bf16" and r.get("status") == "ok" and r.get("run")}
+    base: dict[tuple, float] = {}
+    for r in rows:  # TRL's fastest setting of the run (its arms may run at several micro-batches)
+        if r["arm"] == "trl_bf16" and r.get("status") == "ok" and r.get("run"):
+            base[key(r)] = min(base.get(key(r), math.inf), r["step_s"])
     for r in rows:
         b = base.get(key(r))
         r["speedup_vs_trl_bf16"] = round(b / r["step_s"], 3) if b and r.get("status") == "ok" else None
 
 
 def select(specs: list[RowSpec], sizes, arms, only) -> list[RowSpec]:
-    return [s for s in specs if (not sizes or s.size in sizes) and (not arms or s.arm in arms)
+    return [s for s in specs if (not sizes or s.size in sizes) and (not arms or s.arm_options in arms)
             and (not only or s.short in only or s.name in only)]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="*", choices=list(SIZES), help="sizes of the default matrix to run")
-    ap.add_argument("--arms", nargs="*", choices=list(ARMS))
+    ap.add_argument("--arms", nargs="*", help=f"of {ARMS}, each optionally :mbN (completions per micro-batch) and/or "
+                    ":nogc (no gradient checkpointing), e.g. trl_bf16:mb16 qerl_single_lora:mb16")
     ap.add_argument("--only", nargs="*", help="settings to run, e.g. 8x8-512-sleep or a full row name")
     ap.add_argument("--steps", type=int, default=6, help="steps per row; the median is over all but the first")
     ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints and trainer outputs")
@@ -586,6 +624,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--row-out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    try:
+        for text in a.arms or []:  # a misspelt arm fails before any checkpoint is written
+            parse_arm(text)
+    except ValueError as e:
+        ap.error(str(e))
 
     if a.prepare:
         print(json.dumps(prepare_checkpoints(a.work, a.prepare, a.with_bf16)))

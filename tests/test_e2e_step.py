@@ -167,3 +167,40 @@ def test_peak_memory_reads_the_gpu_torch_runs_on_not_nvmls_index(monkeypatch):
     monkeypatch.setattr(_common, "gpu_uuid", lambda device=0: {0: "91ee96db-3099", 1: "c65b48ee-4672"}[device])
     assert e2e.nvml_handle(Nvml(), 0) == "GPU-91ee96db-3099"
     assert e2e.nvml_handle(Nvml(), 1) == "GPU-c65b48ee-4672"
+
+
+def test_arms_take_a_micro_batch_and_no_gradient_checkpointing():
+    """``--arms trl_bf16:mb16 qerl_single_lora:mb16:nogc``: each arm at its own best settings, named apart in the
+    rows, and TRL's fastest setting of a run is every row's baseline."""
+    assert e2e.parse_arm("trl_bf16") == {"arm": "trl_bf16", "micro_batch": None, "grad_ckpt": True}
+    assert e2e.parse_arm("qerl_single_lora:mb16:nogc") == {"arm": "qerl_single_lora", "micro_batch": 16,
+                                                           "grad_ckpt": False}  # fmt: skip
+    for bad in ("trl", "qerl:mb0", "qerl:fast"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            e2e.parse_arm(bad)
+    specs = e2e.select(e2e.default_matrix(["trl_bf16", "trl_bf16:mb16", "qerl_single_lora:mb16:nogc"]), ["7b"],
+                       ["trl_bf16", "trl_bf16:mb16", "qerl_single_lora:mb16:nogc"], ["2x8-512-nosleep"])  # fmt: skip
+    assert [s.name for s in specs] == ["7b/trl_bf16/2x8-512-nosleep", "7b/trl_bf16:mb16/2x8-512-nosleep",
+                                       "7b/qerl_single_lora:mb16:nogc/2x8-512-nosleep"]  # fmt: skip
+    row = {"size": "7b", "arm": "qerl", "prompts": 2, "generations": 8, "completion_len": 512, "sleep": False}
+    assert e2e.row_name(row) == "7b/qerl/2x8-512-nosleep"  # a row from before the options
+    rows = [dict(row, arm="trl_bf16", step_s=6.0, status="ok", run="r"),
+            dict(row, arm="trl_bf16", micro_batch=16, step_s=5.0, status="ok", run="r"),
+            dict(row, arm="qerl_single_lora", micro_batch=16, step_s=4.0, status="ok", run="r")]
+    e2e.add_speedups(rows)
+    assert [r["speedup_vs_trl_bf16"] for r in rows] == [0.833, 1.0, 1.25]
+    with pytest.raises(SystemExit):
+        e2e.main(["--arms", "qerl:mb", "--list"])
+
+
+@pytest.mark.slow
+def test_an_arm_at_its_own_micro_batch_without_checkpointing_trains(tiny, tmp_path):
+    work = str(tmp_path)
+    e2e.prepare_checkpoints(work, tiny, need_bf16=False)
+    spec = e2e.RowSpec(tiny, "qerl", prompts=2, generations=4, completion_len=6, sleep=False, generation="hf",
+                       micro_batch=4, grad_ckpt=False)  # fmt: skip
+    trainer = e2e.build_trainer(spec, work, steps=1)
+    assert trainer.args.per_device_train_batch_size == 4 and trainer.args.gradient_accumulation_steps == 2
+    assert not trainer.args.gradient_checkpointing
+    row = e2e.run_row(spec, work, steps=2)
+    assert row["micro_batch"] == 4 and row["grad_ckpt"] is False and e2e.row_name(row) == spec.name
