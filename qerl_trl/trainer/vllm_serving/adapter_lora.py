@@ -54,12 +54,11 @@ class _AdapterPusher:
     new adapter through files, the previous one removed. ``phases`` holds the last push's wall time by phase
     (``write``: the files; ``load``: vLLM's load or the refresh), so a slow sync says where its time went."""
 
-    def __init__(self, llm: Any, sync_dir: str, in_place: bool = True):
+    def __init__(self, llm: Any, sync_dir: str, in_place: bool = False):
         self.llm = llm
         self.sync_dir = sync_dir
         self.in_place = in_place
-        self.current_id = 0
-        self.request: Any = None
+        self.request: Any = None  #: the loaded adapter's request (None: none loaded)
         self.phases: dict[str, float] = {}
 
     def push(self, tensors: dict[str, torch.Tensor], peft_config: Any):
@@ -68,13 +67,14 @@ class _AdapterPusher:
 
             t0 = time.perf_counter()
             self.llm.llm_engine.collective_rpc(
-                refresh_adapter_in_place, args=(self.current_id, tensors, adapter_config_dict(peft_config))
+                refresh_adapter_in_place, args=(self.request.lora_int_id, tensors, adapter_config_dict(peft_config))
             )
             self.phases = {"load": time.perf_counter() - t0}
             return self.request
         from vllm.lora.request import LoRARequest
 
-        new_id = self.current_id + 1
+        old_id = self.request.lora_int_id if self.request is not None else 0
+        new_id = old_id + 1
         tmp = tempfile.mkdtemp(prefix=f"qerl-lora-{os.getpid()}-", dir=self.sync_dir)
         try:
             t0 = time.perf_counter()
@@ -82,21 +82,21 @@ class _AdapterPusher:
             t1 = time.perf_counter()
             request = LoRARequest(lora_name=f"qerl-{new_id}", lora_int_id=new_id, lora_path=tmp)
             engine = self.llm.llm_engine
-            if self.current_id:
-                engine.remove_lora(self.current_id)
+            if old_id:
+                engine.remove_lora(old_id)
             engine.add_lora(request)  # loads the files now (to CPU; moved to the GPU slot on first use)
             self.phases = {"write": t1 - t0, "load": time.perf_counter() - t1}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        self.current_id, self.request = new_id, request
+        self.request = request
         return request
 
     def remove(self) -> int:
         """Unload the adapter (the next push loads one through files again); return how many were loaded."""
-        if not self.current_id:
+        if self.request is None:
             return 0
-        self.llm.llm_engine.remove_lora(self.current_id)
-        self.current_id, self.request = 0, None
+        self.llm.llm_engine.remove_lora(self.request.lora_int_id)
+        self.request = None
         return 1
 
 
