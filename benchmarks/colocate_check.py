@@ -182,6 +182,7 @@ def run_check(
     max_completion_length: int = 48,
     lora_backend: str = "qerl",
     lora_sync_in_place: bool = False,
+    fused_importance_sampling: bool = False,
 ) -> list[dict]:
     from datasets import Dataset
 
@@ -215,6 +216,7 @@ def run_check(
         nvfp4_cache_dir=os.path.join(work, "cache"),
         vllm_lora_backend=lora_backend,
         vllm_lora_sync_in_place=lora_sync_in_place,
+        fused_importance_sampling=fused_importance_sampling,
         seed=0,
     )
     t0 = time.perf_counter()
@@ -303,6 +305,7 @@ def run_check(
     for r in rows:
         r["lora_backend"] = lora_backend
         r["lora_sync_in_place"] = lora_sync_in_place
+        r["fused_importance_sampling"] = fused_importance_sampling
         if sleep_mode:
             r["check"] = "sleep1/" + r["check"]
     return rows
@@ -318,12 +321,14 @@ def main():
     ap.add_argument("--lora_sync_in_place", action="store_true",
                     help='QeRLGRPOConfig.vllm_lora_sync_in_place (lora_backend "vllm": later rounds refresh the '
                     "loaded adapter on the GPU)")
+    ap.add_argument("--fused_importance_sampling", action="store_true",
+                    help="QeRLGRPOConfig.fused_importance_sampling (the IS ratio from the training forward)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from benchmarks._common import gpu_tag, result_envelope
 
     rows = run_check(a.gguf, a.work, a.steps, sleep_mode=a.sleep, lora_backend=a.lora_backend,
-                     lora_sync_in_place=a.lora_sync_in_place)
+                     lora_sync_in_place=a.lora_sync_in_place, fused_importance_sampling=a.fused_importance_sampling)
     for r in rows:
         print(json.dumps(r, default=str))
     tag = gpu_tag() if a.lora_backend == "vllm" else f"{a.lora_backend}-{gpu_tag()}"

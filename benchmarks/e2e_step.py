@@ -18,8 +18,8 @@ because a random model almost never samples EOS, so every arm does the same work
   builds its colocated engine with vLLM's in-flight bitsandbytes quantization and syncs by merging the LoRA into
   the NF4 base; ``qlora_generation`` rows with ``hf`` generate with the training model instead (``use_vllm=False``).
 
-An arm may run at its own settings: ``ARM:mbN`` (N completions per micro-batch instead of ``MICRO_BATCH``'s) and
-``ARM:nogc`` (no gradient checkpointing), e.g. ``--arms trl_bf16:mb16 qerl_single_lora:mb16``; the row names them,
+An arm may run at its own settings: ``ARM:mbN`` (N completions per micro-batch instead of ``MICRO_BATCH``'s),
+``ARM:nogc`` (no gradient checkpointing) and, for QeRL arms, ``ARM:fis`` (``fused_importance_sampling=True``), e.g. ``--arms trl_bf16:mb16 qerl_single_lora:mb16``; the row names them,
 and the speed-up's baseline is TRL's fastest setting of the run.
 
 LoRA r32 (alpha 64) on every linear, gradient checkpointing, bf16, 128-token prompts, AdamW, ``max_steps`` steps
@@ -90,11 +90,13 @@ class RowSpec:
     generation: str = "vllm"  # "vllm" (colocate) or "hf" (the training model's generate)
     micro_batch: int | None = None  # completions per micro-batch; None: MICRO_BATCH's for the completion length
     grad_ckpt: bool = True  # gradient checkpointing
+    fused_is: bool = False  # QeRL arms: fused_importance_sampling
 
     @property
     def arm_options(self) -> str:
-        """The arm as ``--arms`` names it: ``qerl_single_lora:mb16:nogc``."""
-        return self.arm + (f":mb{self.micro_batch}" if self.micro_batch else "") + ("" if self.grad_ckpt else ":nogc")
+        """The arm as ``--arms`` names it: ``qerl_single_lora:mb16:nogc:fis``."""
+        return (self.arm + (f":mb{self.micro_batch}" if self.micro_batch else "") + ("" if self.grad_ckpt else ":nogc")
+                + (":fis" if self.fused_is else ""))
 
     @property
     def name(self) -> str:
@@ -107,20 +109,24 @@ class RowSpec:
 
 
 def parse_arm(text: str) -> dict[str, Any]:
-    """``"trl_bf16:mb16:nogc"`` -> ``{"arm": "trl_bf16", "micro_batch": 16, "grad_ckpt": False}``: an arm of
-    :data:`ARMS`, optionally at another micro-batch (``:mbN``) or without gradient checkpointing (``:nogc``), so
-    each arm can run at its own best settings beside the others."""
+    """``"trl_bf16:mb16:nogc"`` -> ``{"arm": "trl_bf16", "micro_batch": 16, "grad_ckpt": False, "fused_is": False}``:
+    an arm of :data:`ARMS`, optionally at another micro-batch (``:mbN``), without gradient checkpointing
+    (``:nogc``) or, for a QeRL arm, with ``fused_importance_sampling`` (``:fis``), so each arm can run at its own
+    best settings beside the others."""
     arm, *options = text.split(":")
     if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r} in {text!r}: one of {ARMS}, with :mbN and/or :nogc")
-    out: dict[str, Any] = {"arm": arm, "micro_batch": None, "grad_ckpt": True}
+        raise ValueError(f"unknown arm {arm!r} in {text!r}: one of {ARMS}, with :mbN, :nogc and/or :fis")
+    out: dict[str, Any] = {"arm": arm, "micro_batch": None, "grad_ckpt": True, "fused_is": False}
     for option in options:
         if re.fullmatch(r"mb[1-9]\d*", option):
             out["micro_batch"] = int(option[2:])
         elif option == "nogc":
             out["grad_ckpt"] = False
+        elif option == "fis" and arm in QERL_ARMS:
+            out["fused_is"] = True
         else:
-            raise ValueError(f"unknown arm option {option!r} in {text!r}: :mbN (completions per micro-batch) or :nogc")
+            raise ValueError(f"unknown arm option {option!r} in {text!r}: :mbN (completions per micro-batch), :nogc "
+                             "or, on a QeRL arm, :fis")
     return out
 
 
@@ -362,6 +368,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         args = QeRLGRPOConfig(**{**common, "lora_r": LORA_R, "lora_alpha": LORA_ALPHA, "aqn": True,
                                  "nvfp4_cache_dir": os.path.join(work, "qerl-cache"),
                                  "vllm_lora_backend": QERL_ARMS[spec.arm], **ARM_OPTIONS.get(spec.arm, {}),
+                                 "fused_importance_sampling": spec.fused_is,
                                  **(overrides or {})})
         return QeRLGRPOTrainer(model=paths["nvfp4"], reward_funcs=_reward, args=args, train_dataset=dataset,
                                processing_class=tok)
@@ -415,7 +422,7 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
 
     row: dict[str, Any] = dict(size=spec.size, arm=spec.arm, prompts=spec.prompts, generations=spec.generations,
                                completion_len=spec.completion_len, sleep=spec.sleep, generation=spec.generation,
-                               micro_batch=spec.micro_batch, grad_ckpt=spec.grad_ckpt,
+                               micro_batch=spec.micro_batch, grad_ckpt=spec.grad_ckpt, fused_is=spec.fused_is,
                                prompt_len=PROMPT_TOKENS, lora_r=LORA_R, steps=steps,
                                vllm_gpu_memory_utilization=vllm_memory_utilization(spec.size, card_gib))
     if card_gib is not None:
@@ -599,7 +606,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="*", choices=list(SIZES), help="sizes of the default matrix to run")
     ap.add_argument("--arms", nargs="*", help=f"of {ARMS}, each optionally :mbN (completions per micro-batch) and/or "
-                    ":nogc (no gradient checkpointing), e.g. trl_bf16:mb16 qerl_single_lora:mb16")
+                    ":nogc (no gradient checkpointing) and, on QeRL arms, :fis (fused_importance_sampling), e.g. "
+                    "trl_bf16:mb16 qerl_single_lora:mb16:fis")
     ap.add_argument("--only", nargs="*", help="settings to run, e.g. 8x8-512-sleep or a full row name")
     ap.add_argument("--steps", type=int, default=6, help="steps per row; the median is over all but the first")
     ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints and trainer outputs")

@@ -172,16 +172,17 @@ def test_peak_memory_reads_the_gpu_torch_runs_on_not_nvmls_index(monkeypatch):
 def test_arms_take_a_micro_batch_and_no_gradient_checkpointing():
     """``--arms trl_bf16:mb16 qerl_single_lora:mb16:nogc``: each arm at its own best settings, named apart in the
     rows, and TRL's fastest setting of a run is every row's baseline."""
-    assert e2e.parse_arm("trl_bf16") == {"arm": "trl_bf16", "micro_batch": None, "grad_ckpt": True}
-    assert e2e.parse_arm("qerl_single_lora:mb16:nogc") == {"arm": "qerl_single_lora", "micro_batch": 16,
-                                                           "grad_ckpt": False}  # fmt: skip
-    for bad in ("trl", "qerl:mb0", "qerl:fast"):
+    assert e2e.parse_arm("trl_bf16") == {"arm": "trl_bf16", "micro_batch": None, "grad_ckpt": True, "fused_is": False}
+    assert e2e.parse_arm("qerl_single_lora:mb16:nogc:fis") == {"arm": "qerl_single_lora", "micro_batch": 16,
+                                                               "grad_ckpt": False, "fused_is": True}  # fmt: skip
+    for bad in ("trl", "qerl:mb0", "qerl:fast", "trl_bf16:fis"):
         with pytest.raises(ValueError, match="unknown arm"):
             e2e.parse_arm(bad)
-    specs = e2e.select(e2e.default_matrix(["trl_bf16", "trl_bf16:mb16", "qerl_single_lora:mb16:nogc"]), ["7b"],
-                       ["trl_bf16", "trl_bf16:mb16", "qerl_single_lora:mb16:nogc"], ["2x8-512-nosleep"])  # fmt: skip
+    arms = ["trl_bf16", "trl_bf16:mb16", "qerl_single_lora:mb16:nogc", "qerl_single_lora:mb16:fis"]
+    specs = e2e.select(e2e.default_matrix(arms), ["7b"], arms, ["2x8-512-nosleep"])
     assert [s.name for s in specs] == ["7b/trl_bf16/2x8-512-nosleep", "7b/trl_bf16:mb16/2x8-512-nosleep",
-                                       "7b/qerl_single_lora:mb16:nogc/2x8-512-nosleep"]  # fmt: skip
+                                       "7b/qerl_single_lora:mb16:nogc/2x8-512-nosleep",
+                                       "7b/qerl_single_lora:mb16:fis/2x8-512-nosleep"]  # fmt: skip
     row = {"size": "7b", "arm": "qerl", "prompts": 2, "generations": 8, "completion_len": 512, "sleep": False}
     assert e2e.row_name(row) == "7b/qerl/2x8-512-nosleep"  # a row from before the options
     rows = [dict(row, arm="trl_bf16", step_s=6.0, status="ok", run="r"),

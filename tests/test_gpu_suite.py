@@ -25,9 +25,9 @@ def _collect(args: list[str]) -> set[str]:
 def _part_tests(part: str, whole: set[str]) -> set[str]:
     """A part's tests: a part that names files holds the GPU tests of those files (one collection of the whole suite
     serves them all: each collection imports every test module, which takes a while on CI's 2 cores); a part with
-    its own marker expression is collected."""
+    its own marker or ``-k`` expression is collected."""
     args = gpu_suite.pytest_args(part)
-    if args[:2] == ["-m", "gpu or vllm"]:
+    if args[:2] == ["-m", "gpu or vllm"] and "-k" not in args:
         files = [a.rstrip("/") for a in args[2:]]
         return {t for t in whole if any(t.split("::")[0] == f or t.startswith(f + "/") for f in files)}
     return _collect(args)

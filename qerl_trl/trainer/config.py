@@ -14,6 +14,7 @@ from trl import GRPOConfig
 
 from ..aqn.schedule import schedule_problem
 from ..vllm_plugin.fp4_kernel import FP4_KERNELS  # imports no vLLM
+from .fused_importance import fused_importance_problem
 
 __all__ = ["QeRLGRPOConfig", "default_cache_dir"]
 
@@ -92,6 +93,16 @@ class QeRLGRPOConfig(GRPOConfig):
             Stop training when, for 3 generation rounds in a row, the mean |log p_vLLM − log p_trainer| per
             completion token exceeds this many nats (or most of vLLM's log-probs are NaN): the engine is not serving
             the trained policy. Healthy runs measure about 0.05 (0.2–0.35 with AQN at σ = 1e-2). `None` disables.
+
+        > Training pass
+
+        fused_importance_sampling (`bool`, defaults to `False`):
+            Take the trainer's log-probs of vLLM's importance-sampling ratio from each micro-batch's training
+            forward, instead of the separate no-grad forward over the whole round that TRL runs for them: one
+            forward fewer a step, the same ratio and loss. On-policy rounds only (`num_iterations=1`,
+            `gradient_accumulation_steps` a multiple of `steps_per_generation`); anything else is refused. TRL's
+            `sampling/*` metrics are then logged per micro-batch, and the rollout guard judges a round when the next
+            one starts. Off until measured end to end (docs/benchmarks.md).
 
     > [!NOTE]
     > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
@@ -185,11 +196,21 @@ class QeRLGRPOConfig(GRPOConfig):
         },
     )
 
+    fused_importance_sampling: bool = field(
+        default=False,
+        metadata={"help": "Build vLLM's importance-sampling ratio from each micro-batch's training forward instead of "
+                  "a separate forward over the round (one forward fewer a step; on-policy rounds only)."},
+    )
+
     def __post_init__(self):
         self._check_qerl_options()  # first: TrainingArguments' own checks may touch the device
         self._refuse_sharded_training()  # before TrainingArguments imports DeepSpeed or sets FSDP up
         super().__post_init__()
         self._refuse_options_an_always_on_lora_cannot_run()
+        if self.fused_importance_sampling:
+            why = fused_importance_problem(self)
+            if why:
+                raise ValueError(f"fused_importance_sampling=True cannot run here: {why}.")
         if self.use_vllm and self.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
 

@@ -10,6 +10,10 @@ Overrides (TRL 1.16):
 * ``_generate``: once per generation round, draws the round's AQN noise, pushes LoRA + noised norms to vLLM
   (or applies the noise to the HF model when generating without vLLM), generates with TRL's code, restores the
   clean norms and logs ``aqn/sigma``, ``aqn/stage``, rollout tokens/s, LoRA sync seconds and peak GPU memory.
+* ``_generate_and_score_completions``: TRL's, then the rollout-policy check (``rollout_guard``); with
+  ``fused_importance_sampling``, without TRL's extra forward for the importance-sampling ratio, which
+  ``_compute_loss`` / ``_get_per_token_logps_and_entropies`` then build from the training forward
+  (``fused_importance``, written against TRL 1.16.0).
 
 Everything else (loss types, rewards, importance-sampling correction, logging, checkpoint/resume) is TRL's.
 """
@@ -27,8 +31,10 @@ from trl import GRPOTrainer
 from .checkpoint_check import resolve_resume_checkpoint
 from .config import QeRLGRPOConfig
 from .dataset_check import check_train_dataset
+from .fused_importance import importance_sampling_metrics, importance_sampling_ratio
 from .policy import prepare_policy, server_checkpoint_hint, vllm_checkpoint
 from .reward_watch import DegenerateRewardWatch
+from .rollout_guard import RoundGap
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +74,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
     # __init__ (as TRL's own white-box tests build GRPOTrainer) runs them as GRPOTrainer would.
     aqn = None  #: the AQN callback; None: no noise
     _rollout_guard = None  #: the rollout-policy check; None: off
+    _fused_is = False  #: fused_importance_sampling
+    _fused_inputs = None  #: the micro-batch whose training forward is running (fused ratio)
+    _round_gap: RoundGap | None = None  #: the guard's measure of the round being trained (fused ratio)
 
     def __init__(
         self,
@@ -167,6 +176,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             else None
         )
 
+        self._fused_is = bool(args.fused_importance_sampling)  # the config refused it where rounds are off-policy
         exclude_nvfp4_base_from_ddp(self.model)  # frozen, identical on every rank: DDP must not broadcast it
         if args.use_vllm and not args.vllm_importance_sampling_correction:
             logger.warning(
@@ -179,11 +189,76 @@ class QeRLGRPOTrainer(GRPOTrainer):
     # -- generation ---------------------------------------------------------------------------------------------
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's, then the rollout-policy check (see ``rollout_guard``) on the round's two sets of log-probs."""
-        output = super()._generate_and_score_completions(inputs)
-        if self._rollout_guard is not None and self.model.training:
-            self._check_rollout_policy(output)
+        """TRL's, then the rollout-policy check (see ``rollout_guard``) on the round's two sets of log-probs.
+
+        With ``fused_importance_sampling``, TRL's, with its importance-sampling correction switched off for the call
+        so that it skips the separate forward for the trainer's log-probs (``_compute_loss`` builds the ratio from
+        the training forward); the previous round is judged by the guard first, now that it is whole."""
+        if not self._fused_is:
+            output = super()._generate_and_score_completions(inputs)
+            if self._rollout_guard is not None and self.model.training:
+                self._check_rollout_policy(output)
+            return output
+        training = self.model.training
+        if training:
+            self._judge_fused_round()
+        self.vllm_importance_sampling_correction = False
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self.vllm_importance_sampling_correction = True
+        if training and self._rollout_guard is not None:
+            self._round_gap = RoundGap(step=self.state.global_step)
         return output
+
+    def _compute_loss(self, model, inputs):
+        """TRL's; with ``fused_importance_sampling``, the micro-batch's importance-sampling ratio is built from its
+        own training forward's log-probs (in ``_get_per_token_logps_and_entropies``) before TRL's loss reads it."""
+        if not self._fused_is or inputs.get("sampling_per_token_logps") is None:
+            return super()._compute_loss(model, inputs)
+        self._fused_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._fused_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        inputs, self._fused_inputs = self._fused_inputs, None  # only the first call of a fused _compute_loss
+        if inputs is not None:
+            self._fuse_importance_ratio(inputs, out[0].detach())
+        return out
+
+    def _fuse_importance_ratio(self, inputs: dict, trainer_logps: torch.Tensor) -> None:
+        """``inputs["importance_sampling_ratio"]`` from the training forward's log-probs, TRL's ``sampling/*``
+        metrics for the micro-batch, and the round's guard measure."""
+        from trl.trainer.utils import nanmax, nanmin
+
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        sampling = inputs["sampling_per_token_logps"]
+        mode = self.vllm_importance_sampling_mode
+        ratio = importance_sampling_ratio(trainer_logps, sampling, mask, mode, self.vllm_importance_sampling_clip_min,
+                                          self.vllm_importance_sampling_clip_max)  # fmt: skip
+        inputs["importance_sampling_ratio"] = ratio
+        split = "train" if self.model.training else "eval"
+        reduce = {"min": nanmin, "max": nanmax, "mean": torch.nanmean}
+        for name, value in importance_sampling_metrics(trainer_logps, sampling, mask, ratio, mode).items():
+            gathered = self.accelerator.gather(value)
+            how = name.rsplit("/", 1)[1]
+            if "difference" in name:  # TRL: plain mean / max of the ranks' values
+                self._metrics[split][name].append((gathered.mean() if how == "mean" else gathered.max()).item())
+            else:
+                self._metrics[split][name].append(reduce[how](gathered).item())
+        if self.model.training and self._round_gap is not None:
+            self._round_gap.add(sampling, trainer_logps, mask)
+
+    def _judge_fused_round(self) -> None:
+        """The rollout guard's verdict on the last round trained with the fused ratio (summed over its micro-batches)."""
+        gap, self._round_gap = self._round_gap, None
+        if gap is not None and self._rollout_guard is not None:
+            self._judge_round(gap.step, *gap.result())
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """TRL's, after checking the checkpoint to resume from (``checkpoint_check``): ``True`` skips a newest
@@ -209,11 +284,15 @@ class QeRLGRPOTrainer(GRPOTrainer):
         sampling, trainer = output.get("sampling_per_token_logps"), output.get("old_per_token_logps")
         if sampling is None or trainer is None:  # TRL computes them with vllm_importance_sampling_correction
             return
+        gap, nan_fraction = self._rollout_guard.measure(sampling, trainer, output["completion_mask"])
+        self._judge_round(self.state.global_step, gap, nan_fraction)
+
+    def _judge_round(self, step: int, gap: float, nan_fraction: float) -> None:
+        """Record one round with the guard; every rank stops together if any rank's round was bad."""
         guard = self._rollout_guard
-        gap, nan_fraction = guard.measure(sampling, trainer, output["completion_mask"])
         local_bad = torch.tensor([float(guard.is_bad(gap, nan_fraction))], device=self.accelerator.device)
         any_bad = bool(self.accelerator.gather(local_bad).max() > 0)  # every rank stops together
-        guard.update(self.state.global_step, gap, nan_fraction, bad=any_bad)
+        guard.update(step, gap, nan_fraction, bad=any_bad)
 
     def _generate(self, prompts: list):
         mode = "train" if self.model.training else "eval"

@@ -9,9 +9,39 @@ and steps, learns nothing (the learning study's AQN arm before ``compile_cache_m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["RolloutPolicyError", "RolloutPolicyGuard"]
+__all__ = ["RolloutPolicyError", "RolloutPolicyGuard", "RoundGap"]
+
+
+@dataclass
+class RoundGap:
+    """The guard's measure of one generation round, as sums that add up over its micro-batches (with
+    ``fused_importance_sampling`` the trainer's log-probs of a round exist one micro-batch at a time)."""
+
+    step: int = 0
+    gap_sum: float = 0.0
+    finite: int = 0
+    nan: int = 0
+    tokens: int = 0
+
+    def add(self, sampling_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor) -> RoundGap:
+        mask = mask.bool()
+        nan = torch.isnan(sampling_logps) & mask
+        delta = (sampling_logps.float() - trainer_logps.float()).abs()[mask & ~nan]
+        self.gap_sum += float(delta.sum())
+        self.finite += int(delta.numel())
+        self.nan += int(nan.sum())
+        self.tokens += int(mask.sum())
+        return self
+
+    def result(self) -> tuple[float, float]:
+        """``(mean |gap| over the finite masked tokens, fraction of masked tokens whose vLLM log-prob is NaN)``."""
+        if not self.tokens:
+            return 0.0, 0.0
+        return (self.gap_sum / self.finite if self.finite else 0.0), self.nan / self.tokens
 
 
 class RolloutPolicyError(RuntimeError):
@@ -37,14 +67,7 @@ class RolloutPolicyGuard:
     @staticmethod
     def measure(sampling_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
         """``(mean |gap| over finite masked tokens, fraction of masked tokens whose vLLM log-prob is NaN)``."""
-        mask = mask.bool()
-        n = int(mask.sum())
-        if n == 0:
-            return 0.0, 0.0
-        nan = torch.isnan(sampling_logps) & mask
-        delta = (sampling_logps.float() - trainer_logps.float()).abs()[mask & ~nan]
-        gap = float(delta.mean()) if delta.numel() else 0.0
-        return gap, float(nan.sum()) / n
+        return RoundGap().add(sampling_logps, trainer_logps, mask).result()
 
     def is_bad(self, gap: float, nan_fraction: float) -> bool:
         return gap > self.max_gap or nan_fraction > 0.5
