@@ -181,7 +181,7 @@ def run_check(
     sleep_mode: bool = False,
     max_completion_length: int = 48,
     lora_backend: str = "qerl",
-    lora_sync_in_place: bool = False,
+    lora_sync_in_place: bool | None = None,
     fused_importance_sampling: bool = False,
 ) -> list[dict]:
     from datasets import Dataset
@@ -215,7 +215,7 @@ def run_check(
         aqn_num_stages=stages,
         nvfp4_cache_dir=os.path.join(work, "cache"),
         vllm_lora_backend=lora_backend,
-        vllm_lora_sync_in_place=lora_sync_in_place,
+        **({} if lora_sync_in_place is None else {"vllm_lora_sync_in_place": lora_sync_in_place}),
         fused_importance_sampling=fused_importance_sampling,
         seed=0,
     )
@@ -304,7 +304,7 @@ def run_check(
                     all(math.isfinite(h["loss"]) for h in steps)))
     for r in rows:
         r["lora_backend"] = lora_backend
-        r["lora_sync_in_place"] = lora_sync_in_place
+        r["lora_sync_in_place"] = args.vllm_lora_sync_in_place
         r["fused_importance_sampling"] = fused_importance_sampling
         if sleep_mode:
             r["check"] = "sleep1/" + r["check"]
@@ -318,9 +318,9 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--sleep", action="store_true", help="also vllm_enable_sleep_mode=True (sleep level 1)")
     ap.add_argument("--lora_backend", default="qerl", choices=["qerl", "vllm"], help="QeRLGRPOConfig.vllm_lora_backend")
-    ap.add_argument("--lora_sync_in_place", action="store_true",
-                    help='QeRLGRPOConfig.vllm_lora_sync_in_place (lora_backend "vllm": later rounds refresh the '
-                    "loaded adapter on the GPU)")
+    ap.add_argument("--lora_sync_files", action="store_true",
+                    help='QeRLGRPOConfig.vllm_lora_sync_in_place=False (lora_backend "vllm": every round\'s adapter '
+                    "loaded from files, not refreshed in place on the GPU)")
     ap.add_argument("--fused_importance_sampling", action="store_true",
                     help="QeRLGRPOConfig.fused_importance_sampling (the IS ratio from the training forward)")
     ap.add_argument("--out", default=None)
@@ -328,7 +328,7 @@ def main():
     from benchmarks._common import gpu_tag, result_envelope
 
     rows = run_check(a.gguf, a.work, a.steps, sleep_mode=a.sleep, lora_backend=a.lora_backend,
-                     lora_sync_in_place=a.lora_sync_in_place, fused_importance_sampling=a.fused_importance_sampling)
+                     lora_sync_in_place=False if a.lora_sync_files else None, fused_importance_sampling=a.fused_importance_sampling)
     for r in rows:
         print(json.dumps(r, default=str))
     tag = gpu_tag() if a.lora_backend == "vllm" else f"{a.lora_backend}-{gpu_tag()}"

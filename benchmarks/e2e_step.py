@@ -10,10 +10,10 @@ because a random model almost never samples EOS, so every arm does the same work
 * ``trl_bf16``: TRL's ``GRPOTrainer``, BF16 base + PEFT LoRA, vLLM colocate, TRL's own merged weight sync (sleep
   mode: TRL's level 2);
 * ``qerl``: ``QeRLGRPOTrainer`` on an NVFP4A16 checkpoint, AQN on, vLLM colocate with the LoRA served as an
-  adapter (sleep mode: level 1);
+  adapter loaded from files every round (``vllm_lora_sync_in_place=False``; sleep mode: level 1);
 * ``qerl_single_lora``: the same with ``vllm_lora_backend="qerl"``: the LoRA inside QeRL's vLLM quantization method;
-* ``qerl_inplace``: ``qerl`` with ``vllm_lora_sync_in_place=True``: after the first round, the adapter's weights are
-  written into the loaded adapter on the GPU instead of loaded from files;
+* ``qerl_inplace``: ``qerl`` with ``vllm_lora_sync_in_place=True`` (the default): after the first round, the
+  adapter's weights are written into the loaded adapter on the GPU instead of loaded from files;
 * ``trl_qlora``: TRL's ``GRPOTrainer`` with a bitsandbytes NF4 base (QLoRA, the paper's other baseline). TRL 1.16
   builds its colocated engine with vLLM's in-flight bitsandbytes quantization and syncs by merging the LoRA into
   the NF4 base; ``qlora_generation`` rows with ``hf`` generate with the training model instead (``use_vllm=False``).
@@ -63,7 +63,8 @@ ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora", "qerl_inplace")
 #: vLLM method (QeRLGRPOConfig.vllm_lora_backend="qerl"), "qerl_inplace" through vLLM's adapters refreshed in place
 QERL_ARMS = {"qerl": "vllm", "qerl_single_lora": "qerl", "qerl_inplace": "vllm"}
 #: further QeRLGRPOConfig options of a QeRL arm
-ARM_OPTIONS: dict[str, dict[str, Any]] = {"qerl_inplace": {"vllm_lora_sync_in_place": True}}
+ARM_OPTIONS: dict[str, dict[str, Any]] = {"qerl": {"vllm_lora_sync_in_place": False},
+                                          "qerl_inplace": {"vllm_lora_sync_in_place": True}}
 DEFAULT_ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora")
 SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b"}
 #: vLLM's share of the GPU, the same for every arm of a size (what a BF16 engine needs for weights + KV cache).

@@ -49,10 +49,10 @@ from benchmarks._child import signal_group, visible_gpu  # noqa: E402 - the repo
 PARTS: dict[str, tuple[list[str], str]] = {
     "kernels": (["-m", "gpu and not vllm", "tests", "--ignore", "tests/test_checkpoint_32b.py"],
                 "NVFP4 kernels, quantizer on CUDA"),
-    "colocate": (["tests/test_trainer_vllm_gpu.py", "-k", "not in_place and not fused"],
+    "colocate": (["tests/test_trainer_vllm_gpu.py", "-k", "not files and not fused"],
                  "SmolLM2 colocate check per LoRA backend"),
-    "colocate_variants": (["tests/test_trainer_vllm_gpu.py", "-k", "in_place or fused"],
-                          "SmolLM2 colocate check of the options off by default, with sleep mode"),
+    "colocate_variants": (["tests/test_trainer_vllm_gpu.py", "-k", "files or fused"],
+                          "SmolLM2 colocate check of the options off the default path, with sleep mode"),
     "vllm_layers": (["tests/test_single_lora_vllm.py", "tests/test_trainer_dropin.py"],
                     "single-LoRA layers on real Marlin, the drop-in forms under colocate"),
     "learning": (["tests/test_learning_gpu.py"], "compare, three arms on one GPU"),

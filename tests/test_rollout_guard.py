@@ -53,6 +53,7 @@ def test_trainer_check_stops_every_rank_when_any_rank_is_bad():
     fake = SimpleNamespace(
         _rollout_guard=RolloutPolicyGuard(2.0), accelerator=Accelerator(), state=SimpleNamespace(global_step=0)
     )
+    fake._judge_round = lambda *a: QeRLGRPOTrainer._judge_round(fake, *a)
     healthy = {"sampling_per_token_logps": torch.full((2, 3), -1.0), "old_per_token_logps": torch.full((2, 3), -1.05),
                "completion_mask": torch.ones(2, 3)}  # fmt: skip
     for step in range(2):

@@ -16,15 +16,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("lora_backend,extra", [("vllm", []), ("qerl", []),
-                                                ("vllm", ["--lora_sync_in_place", "--sleep"]),
+                                                ("vllm", ["--lora_sync_files", "--sleep"]),
                                                 ("qerl", ["--fused_importance_sampling", "--sleep"])],
-                         ids=["vllm", "qerl", "vllm_in_place_sleep", "qerl_fused_is_sleep"])  # fmt: skip
+                         ids=["vllm", "qerl", "vllm_files_sleep", "qerl_fused_is_sleep"])  # fmt: skip
 def test_colocate_vllm_lora_aqn_fp4_kernel(tmp_path, smollm2_gguf, lora_backend, extra):
-    """Every check of colocate_check, per LoRA backend (``gpu_suite.py colocate``), then the options that are off by
-    default (``colocate_variants``), with sleep mode on: the "vllm" backend's in-place refresh
-    (``vllm_lora_sync_in_place``: the rounds after the first write the LoRA into the loaded adapter, and the
-    log-prob match after the check's own sync of a perturbed LoRA says they landed), and the importance-sampling
-    ratio from the training forward (``fused_importance_sampling``: the IS-ratio check reads its metrics)."""
+    """Every check of colocate_check, per LoRA backend as shipped (``gpu_suite.py colocate``; the "vllm" backend
+    refreshes the loaded adapter in place after the first round, and the log-prob match after the check's own sync
+    of a perturbed LoRA says the refresh landed), then the options off the default path (``colocate_variants``),
+    with sleep mode on: the "vllm" backend loading every round's adapter from files
+    (``vllm_lora_sync_in_place=False``), and the importance-sampling ratio from the training forward
+    (``fused_importance_sampling``: the IS-ratio check reads its metrics)."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "colocate_check.py"), "--gguf", smollm2_gguf,
            "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out),

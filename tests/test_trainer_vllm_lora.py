@@ -337,7 +337,8 @@ def test_adapter_backend_pushes_one_adapter_per_sync_and_clears_it(tmp_path, mon
             loaded.append(("removed", lora_id))
 
     model, _ = _peft_tiny(r=8)
-    spec = vl.VLLMServingSpec(checkpoint="ckpt", tokenizer="ckpt", max_lora_rank=8, lora_sync_dir=str(tmp_path))
+    spec = vl.VLLMServingSpec(checkpoint="ckpt", tokenizer="ckpt", max_lora_rank=8, lora_sync_dir=str(tmp_path),
+                              lora_sync_in_place=False)  # every round through files
     backend = vl.LORA_BACKENDS["vllm"](spec)
     assert isinstance(backend, vl.AdapterLoRABackend) and backend.uses_lora_request
     assert backend.engine_kwargs(model) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "max_cpu_loras": 2}
@@ -457,7 +458,8 @@ def test_adapter_sync_does_no_work_that_grows_with_steps_or_model(tmp_path, monk
 
     monkeypatch.setattr(torch.nn.Module, "state_dict", whole_model_read)
     monkeypatch.setattr(type(model.config), "from_pretrained", whole_model_read)
-    spec = vl.VLLMServingSpec(checkpoint="ckpt", tokenizer="ckpt", max_lora_rank=8, lora_sync_dir=str(tmp_path))
+    spec = vl.VLLMServingSpec(checkpoint="ckpt", tokenizer="ckpt", max_lora_rank=8, lora_sync_dir=str(tmp_path),
+                              lora_sync_in_place=False)  # every round through files
     backend = vl.AdapterLoRABackend(spec)
     backend.attach(types.SimpleNamespace(llm_engine=Engine()))
     gather, _ = _no_gather_calls()
@@ -512,13 +514,14 @@ def test_in_place_sync_loads_once_through_files_then_refreshes_that_adapter(tmp_
     assert backend.sync(model, gather) is not requests[0] and calls[-1] == ("add", 1)  # through files again
 
 
-def test_in_place_sync_is_off_until_its_gpu_suite_parts_ran(tmp_path):
-    """Only the SmolLM2 colocate case and a 7B e2e row have run it (9dc5a34): off by default, and the spec the
-    trainer builds carries the user's choice."""
+def test_in_place_sync_is_on_by_default_and_can_be_turned_off(tmp_path):
+    """On by default (the whole GPU suite ran with it on; docs/testing.md), and the spec carries the user's choice."""
     from qerl_trl import QeRLGRPOConfig
 
-    assert QeRLGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True).vllm_lora_sync_in_place is False
-    assert vl.VLLMServingSpec(checkpoint="c", tokenizer="c", max_lora_rank=8).lora_sync_in_place is False
+    assert QeRLGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True).vllm_lora_sync_in_place is True
+    off = QeRLGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, vllm_lora_sync_in_place=False)
+    assert off.vllm_lora_sync_in_place is False
+    assert vl.VLLMServingSpec(checkpoint="c", tokenizer="c", max_lora_rank=8).lora_sync_in_place is True
 
 
 @pytest.mark.vllm_on_cpu

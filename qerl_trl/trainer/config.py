@@ -84,11 +84,11 @@ class QeRLGRPOConfig(GRPOConfig):
             The RAM-backed directory through which each round's adapter (`vllm_lora_backend="vllm"`) or, in server
             mode, each round's LoRA and AQN norms are handed to vLLM (deleted right after the load). In server mode
             the server must see it too: `/dev/shm` on one host, a shared directory across hosts.
-        vllm_lora_sync_in_place (`bool`, defaults to `False`):
+        vllm_lora_sync_in_place (`bool`, defaults to `True`):
             With `vllm_lora_backend="vllm"` in colocate mode: after the first round, write each round's LoRA straight
             into the adapter the engine has loaded, on the GPU (0.02 s at 7B on an H100), instead of handing vLLM a
             new adapter through `vllm_lora_sync_dir` every round, which vLLM 0.24 rebuilds on the CPU (4.1 s a round
-            at 7B on a 4-GPU H200 host). Off until the rest of the GPU suite has run with it (docs/vllm.md).
+            at 7B on a 4-GPU H200 host; docs/vllm.md). `False` loads every round's adapter through files.
         vllm_max_logprob_gap (`float` or `None`, defaults to `2.0`):
             Stop training when, for 3 generation rounds in a row, the mean |log p_vLLM − log p_trainer| per
             completion token exceeds this many nats (or most of vLLM's log-probs are NaN): the engine is not serving
@@ -183,7 +183,7 @@ class QeRLGRPOConfig(GRPOConfig):
     )
 
     vllm_lora_sync_in_place: bool = field(
-        default=False,
+        default=True,
         metadata={"help": 'vllm_lora_backend="vllm": after the first round, update the loaded adapter on the GPU '
                   "instead of loading a new one from files every round."},
     )

@@ -16,7 +16,7 @@ class VLLMServingSpec:
     fp32_norm_names: list[str] = field(default_factory=list)
     enforce_eager: bool = False
     lora_sync_dir: str = "/dev/shm"
-    lora_sync_in_place: bool = False  # "vllm" backend: later rounds refresh the loaded adapter on the GPU
+    lora_sync_in_place: bool = True  # "vllm" backend: later rounds refresh the loaded adapter on the GPU
     dtype: str = "bfloat16"
     lora_backend: str = "qerl"  # "qerl": the LoRA inside our quantization method; "vllm": vLLM's LoRA adapters
     fp4_kernel: str = "marlin"  # resolved from QeRLGRPOConfig.vllm_fp4_kernel: "humming" or "marlin"
