@@ -328,7 +328,8 @@ def main():
     from benchmarks._common import gpu_tag, result_envelope
 
     rows = run_check(a.gguf, a.work, a.steps, sleep_mode=a.sleep, lora_backend=a.lora_backend,
-                     lora_sync_in_place=False if a.lora_sync_files else None, fused_importance_sampling=a.fused_importance_sampling)
+                     lora_sync_in_place=False if a.lora_sync_files else None,
+                     fused_importance_sampling=a.fused_importance_sampling)
     for r in rows:
         print(json.dumps(r, default=str))
     tag = gpu_tag() if a.lora_backend == "vllm" else f"{a.lora_backend}-{gpu_tag()}"

@@ -19,8 +19,9 @@ because a random model almost never samples EOS, so every arm does the same work
   the NF4 base; ``qlora_generation`` rows with ``hf`` generate with the training model instead (``use_vllm=False``).
 
 An arm may run at its own settings: ``ARM:mbN`` (N completions per micro-batch instead of ``MICRO_BATCH``'s),
-``ARM:nogc`` (no gradient checkpointing) and, for QeRL arms, ``ARM:fis`` (``fused_importance_sampling=True``), e.g. ``--arms trl_bf16:mb16 qerl_single_lora:mb16``; the row names them,
-and the speed-up's baseline is TRL's fastest setting of the run.
+``ARM:nogc`` (no gradient checkpointing) and, for QeRL arms, ``ARM:fis`` (``fused_importance_sampling=True``),
+e.g. ``--arms trl_bf16:mb16 qerl_single_lora:mb16:fis``; the row names them, and the speed-up's baseline is TRL's
+fastest setting of the run.
 
 LoRA r32 (alpha 64) on every linear, gradient checkpointing, bf16, 128-token prompts, AdamW, ``max_steps`` steps
 of one generation round each (``per_device_train_batch_size`` completions per micro-batch, gradient accumulation

@@ -173,3 +173,20 @@ def test_the_decode_profile_table_is_the_json_rows():
     assert table(result["rows"]) in text
     runs = {r["run"] for r in result["rows"] if r.get("decode_profile")}
     assert runs and all(run in text for run in runs)
+
+
+def test_the_fused_pass_table_is_the_json_rows():
+    ((before, header, body),) = _tables("| fused pass | run (commit) |")
+    assert header == ["fused pass", "run (commit)", "step", "rollout / sync / training pass", "peak"]
+    rows = _rows("e2e_step-h200.json")
+    for cells in body:
+        run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
+        fused = cells[0] == "on"
+        (row,) = [r for r in rows if r.get("run") == run and bool(r.get("fused_is")) == fused]
+        assert row["status"] == "ok" and row["commit"].startswith(commit) and row["arm"] == "qerl_single_lora"
+        step, low, high = NUMBER.findall(cells[2])
+        assert _close(step, row["step_s"]) and _close(low, row["step_s_min"]) and _close(high, row["step_s_max"])
+        rollout, sync, rest = NUMBER.findall(cells[3])
+        assert _close(rollout, row["rollout_s"]) and _close(sync, row["sync_s"]) and _close(rest, row["train_s"])
+        assert _close(NUMBER.findall(cells[4])[0], row["peak_gib"])
+    assert len(body) == 2

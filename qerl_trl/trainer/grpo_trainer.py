@@ -255,7 +255,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
             self._round_gap.add(sampling, trainer_logps, mask)
 
     def _judge_fused_round(self) -> None:
-        """The rollout guard's verdict on the last round trained with the fused ratio (summed over its micro-batches)."""
+        """The rollout guard's verdict on the last round trained with the fused ratio (summed over its
+        micro-batches)."""
         gap, self._round_gap = self._round_gap, None
         if gap is not None and self._rollout_guard is not None:
             self._judge_round(gap.step, *gap.result())
