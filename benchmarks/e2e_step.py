@@ -67,7 +67,11 @@ QERL_ARMS = {"qerl": "vllm", "qerl_single_lora": "qerl", "qerl_inplace": "vllm"}
 ARM_OPTIONS: dict[str, dict[str, Any]] = {"qerl": {"vllm_lora_sync_in_place": False},
                                           "qerl_inplace": {"vllm_lora_sync_in_place": True}}
 DEFAULT_ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora")
-SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b"}
+SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b",
+         "30b-a3b": "qwen3-30b-a3b"}
+#: mixture-of-experts sizes: their checkpoints serve rollout.py's engines; the trainers' rows wait on issue #54
+#: (QeRLGRPOTrainer refuses MoE models), so they are in no matrix here
+MOE_SIZES = ("30b-a3b",)
 #: vLLM's share of the GPU, the same for every arm of a size (what a BF16 engine needs for weights + KV cache).
 GPU_MEMORY_UTILIZATION = {"1.5b": 0.3, "7b": 0.35, "14b": 0.55, "32b": 0.45}
 #: an H100 80GB's memory as torch reports it (about): ``--card-gib`` for "would this fit an 80 GB card"
@@ -646,6 +650,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.child:
         _child(RowSpec(**json.loads(a.child)), a.work, a.steps, a.row_out, a.card_gib)
         return
+    moe = sorted(set(a.sizes or ()) & set(MOE_SIZES))
+    if moe:
+        ap.error(f"--sizes {' '.join(moe)}: mixture-of-experts sizes have no GRPO step rows yet (QeRLGRPOTrainer "
+                 "refuses MoE models until issue #54); benchmarks/rollout.py runs their engines")
     specs = select(default_matrix(a.arms or DEFAULT_ARMS), a.sizes, a.arms, a.only)
     if a.list:
         for s in specs:

@@ -1,8 +1,8 @@
-"""Qwen2.5-shaped checkpoints with random weights, for benchmarks and GPU tests, made without the Hugging Face Hub.
+"""Qwen2.5- and Qwen3-MoE-shaped checkpoints with random weights, for benchmarks and GPU tests, made without the Hub.
 
 The GPU machines cannot reach the Hub, and a speed or memory benchmark only needs the real *shapes*: this module
-writes checkpoints whose architecture is exactly Qwen2.5-{1.5B,7B,14B,32B}-Instruct's and whose weights are
-random, plus a tokenizer built in code.
+writes checkpoints whose architecture is exactly Qwen2.5-{1.5B,7B,14B,32B}-Instruct's or Qwen3-30B-A3B's (a
+mixture-of-experts decoder: 128 experts, 8 active) and whose weights are random, plus a tokenizer built in code.
 
 * :func:`write_bf16_checkpoint`: a plain bf16 checkpoint (``save_pretrained``), the input of NVFP4Config.
 * :func:`write_nvfp4_checkpoint`: a compressed-tensors NVFP4A16 checkpoint written *directly*, one decoder
@@ -11,11 +11,15 @@ random, plus a tokenizer built in code.
   vLLM serves it. No 16-bit copy of a decoder Linear is ever materialised (a 32B bf16 checkpoint, 65 GB,
   would not fit the GPU machine's disk; the NVFP4 one is ~18 GB): each Linear is drawn as Gaussian row chunks
   quantized with :mod:`qerl_trl.nvfp4.format`, so it equals, byte for byte, what the library would write for
-  the bf16 weight those chunks form (``tests/test_random_models.py`` checks that).
+  the bf16 weight those chunks form (``tests/test_random_models.py`` checks that). A mixture-of-experts model's
+  routed experts (transformers' fused 3-D ``gate_up_proj`` / ``down_proj``) are written per expert as
+  llm-compressor writes them for vLLM (``mlp.experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, gate and up
+  under one global scale), and the router (``mlp.gate``) stays bf16, in ``ignore`` as ``re:.*mlp.gate$``.
 * :func:`write_tokenizer`: byte-level BPE without merges (one token per byte), padded to the model's vocab so
   every id the model can sample decodes; :func:`make_prompts` makes prompts of an exact token count for it.
 
-CLI: ``python benchmarks/random_models.py {bf16,nvfp4} --size qwen2.5-7b --out DIR [--device cuda]``.
+CLI: ``python benchmarks/random_models.py {bf16,nvfp4} --size qwen2.5-7b --out DIR [--device cuda]`` (``--size
+qwen3-30b-a3b``: NVFP4 only, about 18 GB, written tensor by tensor with no 16-bit copy of the experts).
 """
 
 from __future__ import annotations
@@ -64,6 +68,22 @@ QWEN25_SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 
+#: Architecture of Qwen3-30B-A3B's ``config.json`` (issue #54's MoE shape): every layer sparse, 128 routed experts of
+#: width 768, 8 active per token, no shared expert; 30.5B parameters, 3.3B active.
+QWEN3_MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": {
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    },
+}
+#: every size this module writes
+SIZES = (*QWEN25_SHAPES, *QWEN3_MOE_SHAPES)
+#: the router of a sparse block stays 16-bit; llm-compressor's MoE recipes ignore it by this pattern (vLLM matches it)
+ROUTER_IGNORE = "re:.*mlp.gate$"
+
 #: The tokenizer's only special token: eos, pad (and the config's bos, as in Qwen2.5) are all this one.
 EOS_TOKEN = "<|endoftext|>"
 #: Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer rebuilds itself with it; see write_tokenizer).
@@ -103,9 +123,36 @@ def qwen25_config(size: str, **overrides: Any):
     return Qwen2Config(**kw)
 
 
+def qwen3_moe_config(size: str, **overrides: Any):
+    """A ``Qwen3MoeConfig`` with ``size``'s architecture (``QWEN3_MOE_SHAPES``), as :func:`qwen25_config` builds
+    a Qwen2.5 one (bf16, bos/eos/pad on the tokenizer's ``<|endoftext|>``, ``overrides`` replace any field)."""
+    from transformers import Qwen3MoeConfig
+
+    key = size.lower()
+    if key not in QWEN3_MOE_SHAPES:
+        raise ValueError(f"unknown Qwen3-MoE size {size!r}; known sizes: {', '.join(QWEN3_MOE_SHAPES)}")
+    kw: dict[str, Any] = dict(QWEN3_MOE_SHAPES[key])
+    kw.update(overrides)
+    eos = eos_token_id(kw["vocab_size"])
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        kw.setdefault(name, eos)
+    kw.setdefault("architectures", ["Qwen3MoeForCausalLM"])
+    kw.setdefault("dtype", torch.bfloat16)
+    return Qwen3MoeConfig(**kw)
+
+
+def model_config(size: str, **overrides: Any):
+    """The config of any size in :data:`SIZES`."""
+    if size.lower() in QWEN3_MOE_SHAPES:
+        return qwen3_moe_config(size, **overrides)
+    if size.lower() in QWEN25_SHAPES:
+        return qwen25_config(size, **overrides)
+    raise ValueError(f"unknown model size {size!r}; known sizes: {', '.join(SIZES)}")
+
+
 def _resolve_config(size_or_config: Any):
     if isinstance(size_or_config, str):
-        return qwen25_config(size_or_config)
+        return model_config(size_or_config)
     config = copy.deepcopy(size_or_config)
     if getattr(config, "quantization_config", None) is not None:
         raise ValueError("pass a config without quantization_config (this writes a fresh checkpoint)")
@@ -390,23 +437,68 @@ def _quantized_group(
 _LAYER_RE = re.compile(r"^(.*?layers\.\d+)\.")
 
 
+def fused_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{name: module}`` of the model's routed-expert stacks as transformers 5.17+ builds them: a module holding
+    3-D ``gate_up_proj`` [experts, 2 * width, hidden] and ``down_proj`` [experts, hidden, width] parameters."""
+    out = {}
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if {"gate_up_proj", "down_proj"} <= set(params) and all(p.ndim == 3 for p in params.values()):
+            out[name] = module
+    return out
+
+
+def expert_groups(module_name: str, param: str, shape: tuple[int, ...]) -> list[list[tuple[str, int, int]]]:
+    """The per-expert NVFP4 groups ``[[(module, out, in), ...], ...]`` that hold one fused 3-D expert parameter, named
+    as llm-compressor saves a MoE for vLLM: ``gate_up_proj`` -> each expert's ``gate_proj`` and ``up_proj`` (one
+    group: vLLM serves them as one matrix under one global scale), ``down_proj`` -> each expert's ``down_proj``."""
+    if param == "gate_up_proj":
+        experts, two_width, hidden = shape
+        width = two_width // 2
+        return [[(f"{module_name}.{e}.gate_proj", width, hidden), (f"{module_name}.{e}.up_proj", width, hidden)]
+                for e in range(experts)]  # fmt: skip
+    if param == "down_proj":
+        experts, hidden, width = shape
+        return [[(f"{module_name}.{e}.down_proj", hidden, width)] for e in range(experts)]
+    raise ValueError(f"{module_name}.{param} is not a fused expert parameter (gate_up_proj or down_proj)")
+
+
+def _linear_plan(model: torch.nn.Module, experts: dict[str, torch.nn.Module]):
+    """The library's conversion plan (what ``NVFP4Config`` runs) for the model's Linears, with the expert stacks set
+    aside while it is made: the library refuses MoE models, and the stacks are written here per expert."""
+    from qerl_trl.quantizer.config import DEFAULT_FUSED_GROUPS
+    from qerl_trl.quantizer.conversion import plan_conversion
+
+    aside = []
+    for name in experts:
+        parent, _, child = name.rpartition(".")
+        holder = model.get_submodule(parent)
+        aside.append((holder, child, holder._modules[child]))
+        holder._modules[child] = torch.nn.Module()
+    try:
+        return plan_conversion(model, None, DEFAULT_FUSED_GROUPS)
+    finally:
+        for holder, child, module in aside:
+            holder._modules[child] = module
+
+
 class _Layout:
     """What the checkpoint holds, read off a meta-device model and the library's own conversion plan.
 
     ``qerl_trl.quantizer.conversion.plan_conversion`` (what ``NVFP4Config`` runs) gives the same quantized
-    modules, fused groups and ``ignore`` list as the library's own save. ``units`` are the tensors generated
-    and sharded together, in checkpoint order: embeddings, one unit per decoder layer, final norm, lm_head.
+    modules, fused groups and ``ignore`` list as the library's own save; routed experts are per-expert groups
+    (:func:`expert_groups`) and their routers go in ``ignore``. ``units`` are the tensors generated and sharded
+    together, in checkpoint order: embeddings, one unit per decoder layer, final norm, lm_head.
     """
 
     def __init__(self, config) -> None:
         from transformers import AutoModelForCausalLM
 
-        from qerl_trl.quantizer.config import DEFAULT_FUSED_GROUPS
-        from qerl_trl.quantizer.conversion import plan_conversion
-
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        self.plan = plan_conversion(model, None, DEFAULT_FUSED_GROUPS)
+        experts = fused_experts(model)
+        self.plan = _linear_plan(model, experts)
+        self.ignore = sorted(self.plan.kept) + ([ROUTER_IGNORE] if experts else [])
         kept = list(self.plan.kept)  # module -> why it stays 16-bit
         if len(kept) != 1 or model.get_submodule(kept[0]) is not model.get_output_embeddings():
             raise ValueError(
@@ -420,10 +512,12 @@ class _Layout:
         for pname, p in model.named_parameters(remove_duplicate=False):
             if tied and pname == out_emb:
                 continue  # saved once, as the input embedding
-            module = pname.rpartition(".")[0]
+            module, _, leaf = pname.rpartition(".")
             m = _LAYER_RE.match(pname)
             unit = self.units.setdefault(m.group(1) if m else pname, [])
-            if module in self.plan.groups and pname.endswith(".weight"):
+            if module in experts:
+                unit.extend(("group", group) for group in expert_groups(module, leaf, tuple(p.shape)))
+            elif module in self.plan.groups and pname.endswith(".weight"):
                 group = self.plan.groups[module]
                 if group not in done:
                     done.add(group)
@@ -452,7 +546,7 @@ class _Layout:
             name, shape = spec
             if name.endswith("norm.weight"):
                 out[name] = torch.ones(shape, dtype=torch.bfloat16)
-            else:  # embeddings, lm_head, q/k/v biases
+            else:  # embeddings, lm_head, q/k/v biases, routers
                 out[name] = _random_dense(name, shape, std, seed, device)
         return out
 
@@ -472,9 +566,11 @@ def write_nvfp4_checkpoint(
     Linear ``weight_packed`` uint8 [out, in/2], ``weight_scale`` float8_e4m3fn [out, in/16] and
     ``weight_global_scale`` float32 [1] (one value shared by q/k/v, one by gate/up); q/k/v biases, norms (1.0),
     embeddings and an untied ``lm_head`` in bf16; the library's ``quantization_config`` (``ignore:
-    ["lm_head"]``). Each Linear is the NVFP4 rounding of a ``N(0, weight_std^2)`` bf16 weight drawn in row
-    chunks on ``device`` (:func:`_quantized_group`), so dequantized weights have std ~``weight_std`` and
-    realistic code and scale statistics; biases and embeddings are ``N(0, weight_std^2)``.
+    ["lm_head"]``). A mixture-of-experts config's routed experts are written per expert (:func:`expert_groups`),
+    its routers in bf16 and in ``ignore`` (``re:.*mlp.gate$``). Each Linear is the NVFP4 rounding of a
+    ``N(0, weight_std^2)`` bf16 weight drawn in row chunks on ``device`` (:func:`_quantized_group`), so dequantized
+    weights have std ~``weight_std`` and realistic code and scale statistics; biases and embeddings are
+    ``N(0, weight_std^2)``.
 
     Streams: one decoder layer is generated at a time and written in shards of at most ``max_shard_bytes`` (a
     larger single unit gets its own shard) with ``model.safetensors.index.json`` (one shard: plain
@@ -537,7 +633,7 @@ def write_nvfp4_checkpoint(
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
                 f.write("\n")
-        config.quantization_config = compressed_tensors_config(layout.plan.kept)
+        config.quantization_config = compressed_tensors_config(layout.ignore)
         _save_model_files(config, tmp)
     return path
 
@@ -549,7 +645,7 @@ def main(argv: list[str] | None = None) -> str:
         description="Write a Qwen2.5-shaped checkpoint with random weights (no Hugging Face Hub access).",
     )
     parser.add_argument("kind", choices=("bf16", "nvfp4"), help="plain bf16, or compressed-tensors NVFP4A16")
-    parser.add_argument("--size", default="qwen2.5-7b", choices=list(QWEN25_SHAPES))
+    parser.add_argument("--size", default="qwen2.5-7b", choices=list(SIZES))
     parser.add_argument("--out", required=True, help="output directory (nothing is done if it holds config.json)")
     parser.add_argument("--device", default="cpu", help="where weights are generated (cuda for real sizes)")
     parser.add_argument("--seed", type=int, default=0)

@@ -17,6 +17,10 @@ Arms, each one vLLM engine in its own process (random weights; ``ignore_eos`` so
   ``QeRLGRPOConfig(vllm_lora_backend="qerl")``): the LoRA built into each linear, pushed in place;
 * ``nvfp4``: the NVFP4A16 checkpoint without LoRA: the ceiling for any FP4 + LoRA path.
 
+``--sizes 30b-a3b`` (Qwen3-30B-A3B, issue #54) runs ``bf16_merged`` (vLLM's dummy loader: 61 GB of BF16) and
+``nvfp4[@kernel]`` (the random NVFP4A16 MoE checkpoint, experts per expert as llm-compressor writes them); its rows
+name the experts' kernel (``expert_kernels``). The LoRA arms are refused there: their adapters cover dense linears.
+
 Each FP4 arm runs on an FP4 kernel, named after an ``@``: ``nvfp4@humming``, ``nvfp4_qerl_lora@humming``
 (``--arms``; default ``marlin``, vLLM's NVFP4A16 kernel on Hopper). ``humming`` is Humming (``humming-kernels``):
 ``quantization="humming"`` for the ``nvfp4`` and ``nvfp4_vllm_lora`` arms, and QeRL's method with
@@ -175,6 +179,22 @@ def engine_source(spec: EngineSpec, work: str) -> tuple[str, dict, str]:
             "vLLM dummy weights (load_format='dummy'; no checkpoint fits the disk)")  # fmt: skip
 
 
+def expert_kernels_of(model) -> dict[str, int]:
+    """``{expert method (its experts class): layers}`` of a vLLM model's fused-MoE layers, {} for a dense model: the
+    NVFP4 experts' kernel as vLLM 0.24 chose it (``CompressedTensorsW4A4Nvfp4MoEMethod`` and its ``experts_cls``,
+    e.g. ``MarlinExperts``, or ``HummingMoEMethod``); ``fp4_kernels_of`` names the linear layers'."""
+    from collections import Counter
+
+    out: Counter = Counter()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or not hasattr(module, "moe_config"):
+            continue
+        experts = getattr(method, "experts_cls", None)
+        out[type(method).__name__ + (f" ({experts.__name__})" if experts is not None else "")] += 1
+    return dict(out)
+
+
 def kv_cache_tokens(llm) -> int | None:
     """The in-process engine's KV cache capacity in tokens (vLLM 0.24: ``cache_config.num_gpu_blocks`` x
     ``block_size``, set after its memory profiling), or None where it cannot be read."""
@@ -217,6 +237,8 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
             from qerl_trl.vllm_plugin.single_lora import fp4_kernels_of
 
             base["fp4_kernels"] = dict(Counter(llm.apply_model(fp4_kernels_of)[0].values()))
+        if spec.size in e2e.MOE_SIZES:
+            base["expert_kernels"] = llm.apply_model(expert_kernels_of)[0]
         request = None
         if lora:
             from vllm.lora.request import LoRARequest
@@ -420,6 +442,13 @@ def main(argv: list[str] | None = None) -> str | None:
     from benchmarks import e2e_step as e2e
     from benchmarks._common import git_commit, gpu_uuid, new_run_id, write_result
 
+    unknown = [s for s in a.sizes if s not in e2e.SIZES]
+    if unknown:
+        ap.error(f"unknown --sizes {unknown}: one of {list(e2e.SIZES)}")
+    moe_lora = [text for text in a.arms if text.split("@")[0] in LORA_ARMS]
+    if moe_lora and set(a.sizes) & set(e2e.MOE_SIZES):
+        ap.error(f"{moe_lora} on a mixture-of-experts size: the LoRA arms' adapters cover dense decoder linears "
+                 "only (an expert LoRA is issue #54's); run bf16_merged and nvfp4[@kernel] there")
     start = time.monotonic()
     run, commit, uuid = new_run_id(), git_commit(), gpu_uuid()
     rows: list[dict] = []

@@ -43,7 +43,7 @@ def test_unknown_size_raises_and_lists_known_sizes():
     with pytest.raises(ValueError, match="qwen2.5-7b") as e:
         rm.qwen25_config("qwen2.5-3000b")
     assert all(s in str(e.value) for s in rm.QWEN25_SHAPES)
-    with pytest.raises(ValueError, match="unknown Qwen2.5 size"):
+    with pytest.raises(ValueError, match="unknown model size"):
         rm.write_nvfp4_checkpoint("/nonexistent/never-written", "llama-7b")
 
 
@@ -357,3 +357,117 @@ def test_bf16_model_is_built_on_the_device_and_failures_leave_nothing(tmp_path, 
         rm.write_bf16_checkpoint(str(tmp_path / "m"), tiny_config(), device="meta")
     assert seen == [(torch.device("meta"), torch.bfloat16)]
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------------------ mixture of experts
+MOE_TINY = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
+            "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "vocab_size": 512}
+
+
+def test_qwen3_30b_a3b_has_the_released_parameter_count_and_an_18_gb_nvfp4_checkpoint():
+    from transformers import AutoModelForCausalLM
+
+    config = rm.model_config("qwen3-30b-a3b")
+    assert config.architectures == ["Qwen3MoeForCausalLM"] and config.num_experts == 128
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 30_532_122_624  # Qwen3-30B-A3B's safetensors metadata
+    layout = rm._Layout(config)
+    gib = sum(layout.nbytes(u) for u in layout.units) / 2**30
+    assert 16.5 < gib < 18.0, gib  # NVFP4 experts and attention, bf16 embeddings, router and lm_head
+    assert layout.ignore == ["lm_head", rm.ROUTER_IGNORE]
+    with pytest.raises(ValueError, match="unknown model size 'qwen3-235b'.*qwen3-30b-a3b"):
+        rm.model_config("qwen3-235b")
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    config = rm.qwen3_moe_config("qwen3-30b-a3b", **MOE_TINY)
+    path = rm.write_nvfp4_checkpoint(str(tmp_path_factory.mktemp("moe") / "ckpt"), config, weight_std=STD)
+    return config, path
+
+
+def test_moe_experts_are_written_per_expert_as_llm_compressor_writes_them(moe_checkpoint):
+    """vLLM's Qwen3-MoE loader reads experts as ``mlp.experts.<e>.{gate,up,down}_proj``; gate and up share a global
+    scale (vLLM serves them as one matrix); the router stays bf16 and is ignored by llm-compressor's pattern."""
+    from qerl_trl.quantizer.checkpoint import compressed_tensors_config
+
+    config, path = moe_checkpoint
+    t = _tensors(path)
+    assert all(x.ndim <= 2 for x in t.values()), "no fused 3-D expert tensor"
+    H, W, E = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    per_layer = 4 * 3 + E * 3 * 3 + 1 + 4  # attention, experts, router, norms (input, post-attention, q, k)
+    assert len(t) == per_layer * config.num_hidden_layers + 3  # embeddings, final norm, lm_head
+    qc = _config(path)["quantization_config"]
+    assert qc == compressed_tensors_config(["lm_head", "re:.*mlp.gate$"])
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp."
+        router = t[p + "gate.weight"]
+        assert router.dtype == torch.bfloat16 and router.shape == (E, H)
+        draws = set()
+        for e in range(E):
+            x = f"{p}experts.{e}."
+            for proj, shape in (("gate_proj", (W, H)), ("up_proj", (W, H)), ("down_proj", (H, W))):
+                assert t[x + proj + ".weight_packed"].dtype == torch.uint8
+                assert t[x + proj + ".weight_packed"].shape == (shape[0], shape[1] // 2)
+                assert t[x + proj + ".weight_scale"].dtype == torch.float8_e4m3fn
+                assert t[x + proj + ".weight_scale"].shape == (shape[0], shape[1] // 16)
+                assert t[x + proj + ".weight_global_scale"].shape == (1,)
+            assert torch.equal(t[x + "gate_proj.weight_global_scale"], t[x + "up_proj.weight_global_scale"])
+            draws.add(tuple(t[x + "gate_proj.weight_packed"].flatten()[:64].tolist()))
+        assert len(draws) == E, "each expert is its own draw"
+        a = f"model.layers.{layer}.self_attn."
+        assert t[a + "q_proj.weight_global_scale"] == t[a + "k_proj.weight_global_scale"]
+        assert bool((t[a + "q_norm.weight"] == 1).all())
+
+
+def test_moe_expert_bytes_are_the_librarys_quantization_of_the_drawn_weights(moe_checkpoint):
+    from qerl_trl.quantizer.conversion import quantize_group
+
+    config, path = moe_checkpoint
+    t = _tensors(path)
+    H, W = config.hidden_size, config.moe_intermediate_size
+    for layer, e in ((0, 0), (1, 3)):
+        x = f"model.layers.{layer}.mlp.experts.{e}."
+        for group in ((("gate_proj", (W, H)), ("up_proj", (W, H))), (("down_proj", (H, W)),)):
+            drawn = {x + proj: rm.random_bf16_tensor(x + proj + ".weight", shape, STD) for proj, shape in group}
+            for name, q in quantize_group(drawn).items():
+                for attr, want in q._asdict().items():
+                    got = t[f"{name}.{attr}"]
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (name, attr)
+
+
+@pytest.mark.vllm_on_cpu
+def test_vllm_maps_every_moe_checkpoint_tensor_and_serves_the_experts_as_nvfp4a16(moe_checkpoint):
+    """vLLM 0.24's own code: its Qwen3-MoE expert mapping places every expert tensor in the fused-MoE layer's
+    NVFP4 parameters (gate -> w1, up -> w3, down -> w2), its compressed-tensors config ignores the router and not the
+    experts, and reads the weights as NVFP4 with 16-bit activations (``CompressedTensorsW4A4Nvfp4MoEMethod``
+    with ``use_a16``). Serving it on a GPU is rollout.py's ``--sizes 30b-a3b``."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+
+    config, path = moe_checkpoint
+    t = _tensors(path)
+    mapping = RoutedExperts.make_expert_params_mapping(torch.nn.Module(), "gate_proj", "down_proj", "up_proj",
+                                                       config.num_experts)  # fmt: skip
+    shard_of = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    params = set()
+    experts = [n for n in t if ".mlp.experts." in n]
+    assert len(experts) == config.num_hidden_layers * config.num_experts * 9
+    for name in experts:
+        hits = [(name.replace(weight, param), e, shard) for param, weight, e, shard in mapping if weight in name]
+        assert len(hits) == 1, (name, hits)
+        mapped, e, shard = hits[0]
+        expert, proj = name.split(".mlp.experts.")[1].split(".")[:2]
+        assert int(expert) == e and shard_of[proj] == shard, name
+        params.add(mapped.rsplit(".", 1)[1])
+    # the parameters CompressedTensorsW4A4Nvfp4MoEMethod.create_weights registers for the checkpoint's tensors
+    assert params == {f"w{i}_weight{s}" for i in (13, 2) for s in ("_packed", "_scale", "_global_scale")}
+    ct = CompressedTensorsConfig.from_config(_config(path)["quantization_config"])
+    assert should_ignore_layer("model.layers.1.mlp.gate", ignore=ct.ignore)
+    assert not should_ignore_layer("model.layers.1.mlp.experts", ignore=ct.ignore)
+    (scheme,) = ct.target_scheme_map.values()
+    assert ct._is_nvfp4_format(scheme["weights"]) and scheme["input_activations"] is None

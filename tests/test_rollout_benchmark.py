@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks import rollout  # noqa: E402
@@ -285,3 +287,50 @@ def test_a_batch_is_timed_over_repeats_and_reported_as_the_median_call():
     assert row["repeats"] == 5 and row["wall_s"] == 0.3 and row["tokens_per_s"] == round(32 / 0.3, 1)
     assert row["tokens_per_s_min"] == round(32 / 0.5, 1) and row["tokens_per_s_max"] == 320.0
     assert row["wall_s_per_call"] == [0.4, 0.1, 0.3, 0.2, 0.5]
+
+
+def test_the_moe_size_runs_merged_bf16_from_dummy_weights_and_nvfp4_and_refuses_the_lora_arms(tmp_path, capsys):
+    """Qwen3-30B-A3B (issue #54): 61 GB in BF16, so the merged-BF16 arm is vLLM's dummy loader on the MoE config;
+    the LoRA arms' adapters cover dense linears only, so they are refused before anything is written; e2e_step.py
+    has no MoE rows yet and says where to go."""
+    from transformers import AutoConfig
+
+    from benchmarks import e2e_step as e2e
+
+    model, kwargs, weights = rollout.engine_source(rollout.EngineSpec("30b-a3b", "bf16_merged", (1,)), str(tmp_path))
+    assert kwargs["load_format"] == "dummy" and "dummy" in weights
+    config = AutoConfig.from_pretrained(model)
+    assert (config.model_type, config.num_experts, config.num_experts_per_tok) == ("qwen3_moe", 128, 8)
+    for argv, said in ((["--sizes", "30b-a3b", "--arms", "bf16_merged", "nvfp4_qerl_lora@humming"], "issue #54"),
+                       (["--sizes", "70b", "--arms", "nvfp4"], "unknown --sizes")):
+        with pytest.raises(SystemExit):
+            rollout.main([*argv, "--work", str(tmp_path / "w")])
+        assert said in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "w")
+    with pytest.raises(SystemExit):
+        e2e.main(["--sizes", "30b-a3b", "--list"])
+    assert "rollout.py runs their engines" in capsys.readouterr().err
+
+
+def test_expert_kernels_name_each_fused_moe_method_and_its_experts_class():
+    import torch
+
+    class MarlinExperts:
+        pass
+
+    class CompressedTensorsW4A4Nvfp4MoEMethod:
+        experts_cls = MarlinExperts
+
+    class HummingMoEMethod:
+        pass
+
+    def moe(method):
+        layer = torch.nn.Module()
+        layer.moe_config, layer.quant_method = object(), method
+        return layer
+
+    model = torch.nn.ModuleList([moe(CompressedTensorsW4A4Nvfp4MoEMethod()), moe(CompressedTensorsW4A4Nvfp4MoEMethod()),
+                                 moe(HummingMoEMethod()), torch.nn.Linear(2, 2)])  # fmt: skip
+    assert rollout.expert_kernels_of(model) == {"CompressedTensorsW4A4Nvfp4MoEMethod (MarlinExperts)": 2,
+                                                "HummingMoEMethod": 1}  # fmt: skip
+    assert rollout.expert_kernels_of(torch.nn.Linear(2, 2)) == {}
