@@ -101,6 +101,23 @@ def eos_token_id(vocab_size: int) -> int:
     return vocab_size - 1
 
 
+def _shaped_config(config_class: Any, shapes: dict[str, dict[str, Any]], family: str, size: str,
+                   overrides: dict[str, Any], **defaults: Any):
+    """``config_class`` with ``shapes[size]``, ``overrides`` on top, bf16, and bos/eos/pad set to
+    :func:`write_tokenizer`'s ``<|endoftext|>`` id (the last id of the possibly overridden ``vocab_size``)."""
+    key = size.lower()
+    if key not in shapes:
+        raise ValueError(f"unknown {family} size {size!r}; known sizes: {', '.join(shapes)}")
+    kw: dict[str, Any] = {**shapes[key], **overrides}
+    eos = eos_token_id(kw["vocab_size"])
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        kw.setdefault(name, eos)
+    kw.setdefault("dtype", torch.bfloat16)
+    for name, value in defaults.items():
+        kw.setdefault(name, value)
+    return config_class(**kw)
+
+
 def qwen25_config(size: str, **overrides: Any):
     """A ``Qwen2Config`` with Qwen2.5-``size``'s architecture (``QWEN25_SHAPES``), bf16, and bos/eos/pad set to
     :func:`write_tokenizer`'s ``<|endoftext|>`` id (the last id of the possibly overridden ``vocab_size``).
@@ -109,18 +126,8 @@ def qwen25_config(size: str, **overrides: Any):
     """
     from transformers import Qwen2Config
 
-    key = size.lower()
-    if key not in QWEN25_SHAPES:
-        raise ValueError(f"unknown Qwen2.5 size {size!r}; known sizes: {', '.join(QWEN25_SHAPES)}")
-    kw: dict[str, Any] = dict(QWEN25_SHAPES[key])
-    kw.update(overrides)
-    eos = eos_token_id(kw["vocab_size"])
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        kw.setdefault(name, eos)
-    kw.setdefault("architectures", ["Qwen2ForCausalLM"])
-    kw.setdefault("dtype", torch.bfloat16)
-    kw.setdefault("use_sliding_window", False)
-    return Qwen2Config(**kw)
+    return _shaped_config(Qwen2Config, QWEN25_SHAPES, "Qwen2.5", size, overrides,
+                          architectures=["Qwen2ForCausalLM"], use_sliding_window=False)  # fmt: skip
 
 
 def qwen3_moe_config(size: str, **overrides: Any):
@@ -128,17 +135,8 @@ def qwen3_moe_config(size: str, **overrides: Any):
     a Qwen2.5 one (bf16, bos/eos/pad on the tokenizer's ``<|endoftext|>``, ``overrides`` replace any field)."""
     from transformers import Qwen3MoeConfig
 
-    key = size.lower()
-    if key not in QWEN3_MOE_SHAPES:
-        raise ValueError(f"unknown Qwen3-MoE size {size!r}; known sizes: {', '.join(QWEN3_MOE_SHAPES)}")
-    kw: dict[str, Any] = dict(QWEN3_MOE_SHAPES[key])
-    kw.update(overrides)
-    eos = eos_token_id(kw["vocab_size"])
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        kw.setdefault(name, eos)
-    kw.setdefault("architectures", ["Qwen3MoeForCausalLM"])
-    kw.setdefault("dtype", torch.bfloat16)
-    return Qwen3MoeConfig(**kw)
+    return _shaped_config(Qwen3MoeConfig, QWEN3_MOE_SHAPES, "Qwen3-MoE", size, overrides,
+                          architectures=["Qwen3MoeForCausalLM"])  # fmt: skip
 
 
 def model_config(size: str, **overrides: Any):
