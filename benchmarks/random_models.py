@@ -81,8 +81,6 @@ QWEN3_MOE_SHAPES: dict[str, dict[str, Any]] = {
 }
 #: every size this module writes
 SIZES = (*QWEN25_SHAPES, *QWEN3_MOE_SHAPES)
-#: the router of a sparse block stays 16-bit; llm-compressor's MoE recipes ignore it by this pattern (vLLM matches it)
-ROUTER_IGNORE = "re:.*mlp.gate$"
 
 #: The tokenizer's only special token: eos, pad (and the config's bos, as in Qwen2.5) are all this one.
 EOS_TOKEN = "<|endoftext|>"
@@ -435,17 +433,6 @@ def _quantized_group(
 _LAYER_RE = re.compile(r"^(.*?layers\.\d+)\.")
 
 
-def fused_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """``{name: module}`` of the model's routed-expert stacks as transformers 5.17+ builds them: a module holding
-    3-D ``gate_up_proj`` [experts, 2 * width, hidden] and ``down_proj`` [experts, hidden, width] parameters."""
-    out = {}
-    for name, module in model.named_modules():
-        params = dict(module.named_parameters(recurse=False))
-        if {"gate_up_proj", "down_proj"} <= set(params) and all(p.ndim == 3 for p in params.values()):
-            out[name] = module
-    return out
-
-
 def expert_groups(module_name: str, param: str, shape: tuple[int, ...]) -> list[list[tuple[str, int, int]]]:
     """The per-expert NVFP4 groups ``[[(module, out, in), ...], ...]`` that hold one fused 3-D expert parameter, named
     as llm-compressor saves a MoE for vLLM: ``gate_up_proj`` -> each expert's ``gate_proj`` and ``up_proj`` (one
@@ -461,25 +448,6 @@ def expert_groups(module_name: str, param: str, shape: tuple[int, ...]) -> list[
     raise ValueError(f"{module_name}.{param} is not a fused expert parameter (gate_up_proj or down_proj)")
 
 
-def _linear_plan(model: torch.nn.Module, experts: dict[str, torch.nn.Module]):
-    """The library's conversion plan (what ``NVFP4Config`` runs) for the model's Linears, with the expert stacks set
-    aside while it is made: the library refuses MoE models, and the stacks are written here per expert."""
-    from qerl_trl.quantizer.config import DEFAULT_FUSED_GROUPS
-    from qerl_trl.quantizer.conversion import plan_conversion
-
-    aside = []
-    for name in experts:
-        parent, _, child = name.rpartition(".")
-        holder = model.get_submodule(parent)
-        aside.append((holder, child, holder._modules[child]))
-        holder._modules[child] = torch.nn.Module()
-    try:
-        return plan_conversion(model, None, DEFAULT_FUSED_GROUPS)
-    finally:
-        for holder, child, module in aside:
-            holder._modules[child] = module
-
-
 class _Layout:
     """What the checkpoint holds, read off a meta-device model and the library's own conversion plan.
 
@@ -492,11 +460,16 @@ class _Layout:
     def __init__(self, config) -> None:
         from transformers import AutoModelForCausalLM
 
+        from qerl_trl.quantizer.config import DEFAULT_FUSED_GROUPS
+        from qerl_trl.quantizer.conversion import plan_conversion
+        from qerl_trl.quantizer.moe import ROUTER_IGNORE, beside_experts, check_routers, fused_experts
+
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         experts = fused_experts(model)
-        self.plan = _linear_plan(model, experts)
-        self.ignore = sorted(self.plan.kept) + ([ROUTER_IGNORE] if experts else [])
+        check_routers(model, experts)
+        self.plan = beside_experts(model, experts, lambda: plan_conversion(model, None, DEFAULT_FUSED_GROUPS))
+        self.ignore = sorted(self.plan.kept) + ([ROUTER_IGNORE] if experts else [])  # as quantize_model writes it
         kept = list(self.plan.kept)  # module -> why it stays 16-bit
         if len(kept) != 1 or model.get_submodule(kept[0]) is not model.get_output_embeddings():
             raise ValueError(

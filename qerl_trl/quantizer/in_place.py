@@ -6,11 +6,13 @@ import torch
 from torch import nn
 
 from ..nvfp4 import NVFP4Linear
+from ..nvfp4.experts import NVFP4Experts
 from ..nvfp4.linear import ACTIVATION_DTYPES
 from . import conversion
 from .checkpoint import compressed_tensors_config
 from .config import NVFP4Config
 from .conversion import ConversionPlan, plan_conversion
+from .moe import ROUTER_IGNORE, beside_experts, check_routers, fused_experts
 
 
 def quantize_model(model: nn.Module, config: NVFP4Config | None = None) -> ConversionPlan:
@@ -22,10 +24,24 @@ def quantize_model(model: nn.Module, config: NVFP4Config | None = None) -> Conve
     model. ``model.config.quantization_config`` becomes the compressed-tensors NVFP4A16 dict, so
     ``save_pretrained`` writes a checkpoint vLLM serves. Prefer ``from_pretrained(..., quantization_config=
     NVFP4Config())`` when starting from files: it never holds the 16-bit model at all.
+
+    A mixture-of-experts model's routed experts (transformers' fused 3-D stacks, Qwen3-MoE's layout) become
+    :class:`~qerl_trl.nvfp4.experts.NVFP4Experts`, one layer at a time, saved per expert as llm-compressor saves them
+    for vLLM; their routers stay 16-bit (``ignore``: ``re:.*mlp.gate$``). Loading a MoE with ``NVFP4Config`` is still
+    refused (``MoENotSupportedError``).
     """
     config = config or NVFP4Config()
     keep_fp32 = getattr(model, "_keep_in_fp32_modules", None)
-    plan = plan_conversion(model, config.modules_to_not_convert, config.fused_groups, keep_fp32=keep_fp32)
+    experts = fused_experts(model)
+    check_routers(model, experts)
+    plan = beside_experts(model, experts, lambda: plan_conversion(
+        model, config.modules_to_not_convert, config.fused_groups, keep_fp32=keep_fp32))
+    moe = bool(experts)
+    while experts:  # popped, so the layer's 16-bit experts are freed before the next layer is packed
+        name, module = experts.popitem()
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, NVFP4Experts.from_experts(module, name))
+        del module
     done: set[str] = set()
     for name, group in plan.groups.items():
         if name in done:
@@ -34,7 +50,7 @@ def quantize_model(model: nn.Module, config: NVFP4Config | None = None) -> Conve
         done.update(group)
     plan.warn_unchosen()
     if getattr(model, "config", None) is not None:
-        model.config.quantization_config = compressed_tensors_config(plan.kept)
+        model.config.quantization_config = compressed_tensors_config([*plan.kept, *([ROUTER_IGNORE] if moe else [])])
     return plan
 
 

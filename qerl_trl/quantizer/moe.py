@@ -14,8 +14,9 @@ QeRL on a MoE model needs four links; what each version does (read from their co
    Holds.
 3. transformers 5.17 (and 5.23) stores Qwen3-MoE / Mixtral experts as fused 3-D parameters
    (``Qwen3MoeExperts.gate_up_proj`` [experts, 2*moe_intermediate, hidden] and ``down_proj`` [experts, hidden,
-   moe_intermediate]), not as ``nn.Linear``: our quantizer converts ``nn.Linear`` only and has no packed
-   3-D expert module. Missing.
+   moe_intermediate]), not as ``nn.Linear``. ``quantize_model`` packs them in memory
+   (:class:`~qerl_trl.nvfp4.experts.NVFP4Experts`, saved per expert as vLLM reads them); loading with
+   ``NVFP4Config`` (transformers' weight conversion of per-expert checkpoints) does not yet. Partly there.
 4. PEFT 0.21.2 reaches those tensors only through ``LoraConfig(target_parameters=[...])``, i.e. ``ParamWrapper``
    (``peft/tuners/lora/layer.py``), which adds ``B @ A`` to the dense parameter through
    ``torch.nn.utils.parametrize`` (``_LoraFactorsProxy`` / ``_LoraParameterProxy``): it needs a dense expert
@@ -26,18 +27,25 @@ QeRL on a MoE model needs four links; what each version does (read from their co
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from torch import nn
+
+T = TypeVar("T")
+
+#: the router of a sparse block stays 16-bit; llm-compressor's MoE recipes ignore it by this pattern (vLLM matches it)
+ROUTER_IGNORE = "re:.*mlp.gate$"
 
 #: config attributes that mark a mixture-of-experts decoder (Qwen2/3-MoE: num_experts; Mixtral: num_local_experts)
 _EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 MOE_MISSING = (
     "vLLM 0.24 would serve NVFP4A16 experts on Hopper (CompressedTensorsW4A4Nvfp4MoEMethod with use_a16=True, "
-    "MarlinExperts backend) with a LoRA (FusedMoEWithLoRA), but two parts are missing: (1) qerl_trl's NVFP4 "
-    "quantizer converts nn.Linear only, and transformers 5.17 stores the experts as fused 3-D parameters "
-    "({example}), so they would stay 16-bit; (2) PEFT 0.21 puts LoRA on those parameters only through "
+    "MarlinExperts backend) with a LoRA (FusedMoEWithLoRA), but two parts are missing: (1) loading with NVFP4Config "
+    "converts nn.Linear only, and transformers 5.17 stores the experts as fused 3-D parameters ({example}), so they "
+    "would stay 16-bit (qerl_trl.quantizer.quantize_model packs a loaded Qwen3-MoE's experts in memory; the trainer "
+    "does not use it for MoE yet); (2) PEFT 0.21 puts LoRA on those parameters only through "
     "target_parameters (peft.tuners.lora.layer.ParamWrapper), which adds B@A to the dense expert tensor, which a "
     "packed NVFP4 base does not keep. Use a dense model (Llama, Qwen2, Qwen3, Mistral families)."
 )
@@ -74,3 +82,43 @@ def refuse_moe_model(model: nn.Module) -> None:
         raise MoENotSupportedError(
             f"{type(model).__name__} is a mixture-of-experts model. " + MOE_MISSING.format(example=repr(experts[0]))
         )
+
+
+def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of the model's routed-expert stacks as transformers 5.17+ builds them: a module holding 3-D
+    ``gate_up_proj`` [experts, 2 * width, hidden] and ``down_proj`` [experts, hidden, width] parameters."""
+    out = {}
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if {"gate_up_proj", "down_proj"} <= set(params) and all(p.ndim == 3 for p in params.values()):
+            out[name] = module
+    return out
+
+
+def check_routers(model: nn.Module, experts: dict[str, nn.Module]) -> None:
+    """Each expert stack's router must be its sibling ``gate`` (Qwen3-MoE's ``mlp.gate``), the module
+    :data:`ROUTER_IGNORE` keeps 16-bit in the checkpoint; another layout is refused, naming the module."""
+    for name in experts:
+        parent = name.rpartition(".")[0]
+        if not name.endswith("mlp.experts") or not isinstance(getattr(model.get_submodule(parent), "gate", None),
+                                                              nn.Module):  # fmt: skip
+            raise MoENotSupportedError(
+                f"{name}: NVFP4 experts are written for vLLM with their router as the sibling 'mlp.gate' (Qwen3-MoE's "
+                "layout, ignored as re:.*mlp.gate$); this model's experts or router are laid out otherwise."
+            )
+
+
+def beside_experts(model: nn.Module, experts: dict[str, nn.Module], plan: Callable[[], T]) -> T:
+    """``plan()`` (e.g. the Linear conversion plan) with the expert stacks set aside: the Linear plan refuses 3-D
+    expert parameters, which :class:`~qerl_trl.nvfp4.experts.NVFP4Experts` packs on its own."""
+    aside = []
+    for name in experts:
+        parent, _, child = name.rpartition(".")
+        holder = model.get_submodule(parent)
+        aside.append((holder, child, holder._modules[child]))
+        holder._modules[child] = nn.Module()
+    try:
+        return plan()
+    finally:
+        for holder, child, module in aside:
+            holder._modules[child] = module

@@ -1,0 +1,151 @@
+"""``NVFP4Experts``: a mixture-of-experts layer's routed experts, frozen in NVFP4, trained through.
+
+Why: transformers 5.17+ keeps a MoE decoder's routed experts as two fused 3-D parameters per layer
+(``Qwen3MoeExperts.gate_up_proj`` [experts, 2 * width, hidden] and ``down_proj`` [experts, hidden, width]), not as
+Linears, so :class:`~qerl_trl.nvfp4.NVFP4Linear` cannot hold them. This module holds both stacks packed (4.5 bits a
+weight: Qwen3-30B-A3B's experts take 16 GB instead of 58) and runs transformers' eager expert loop, each expert's two
+matmuls through the NVFP4 ops :class:`NVFP4Linear` uses: only the expert being computed is dequantized, and nothing
+dequantized is kept for backward. Gradients reach the hidden states and the routing weights (so the router and any
+LoRA below learn); the experts stay frozen.
+
+Its state dict is per expert, as llm-compressor saves a MoE for vLLM (``<prefix><e>.gate_proj.weight_packed`` /
+``weight_scale`` / ``weight_global_scale``, ``up_proj``, ``down_proj``): gate and up share the expert's global scale,
+as vLLM serves them as one matrix (``CompressedTensorsW4A4Nvfp4MoEMethod`` warns and takes gate's otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import format as nvfp4
+from .linear import ACTIVATION_DTYPES, _NVFP4LinearFn, apply_keeping_dtypes
+from .ops import nvfp4_linear_forward
+
+__all__ = ["NVFP4Experts"]
+
+#: the packed stacks: (stack, the per-expert checkpoint projections it holds, in row order)
+STACKS = (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",)))
+_SUFFIXES = ("packed", "scale", "global_scale")
+#: every frozen quantized tensor, whose dtype never changes
+QUANTIZED_PARAMS = tuple(f"{stack}_{s}" for stack, _ in STACKS for s in _SUFFIXES)
+
+
+class NVFP4Experts(nn.Module):
+    """Frozen NVFP4 routed experts with the forward of transformers' fused experts
+    (``forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])``).
+
+    State: ``gate_up_packed`` uint8 [experts, 2 * width, hidden / 2], ``gate_up_scale`` float8_e4m3fn
+    [experts, 2 * width, hidden / 16], ``gate_up_global_scale`` float32 [experts]; ``down_packed`` /
+    ``down_scale`` / ``down_global_scale`` likewise for [experts, hidden, width]. Build it with
+    :meth:`from_experts`.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, width: int, act_fn: Callable[[torch.Tensor], torch.Tensor],
+                 device: torch.device | str | None = None) -> None:  # fmt: skip
+        super().__init__()
+        if hidden % nvfp4.BLOCK_SIZE or width % nvfp4.BLOCK_SIZE:
+            raise ValueError(f"NVFP4 experts need hidden and expert width divisible by {nvfp4.BLOCK_SIZE}, got "
+                             f"hidden={hidden}, width={width}; keep this model in 16-bit")  # fmt: skip
+        self.num_experts, self.hidden, self.width, self.act_fn = num_experts, hidden, width, act_fn
+        for stack, (rows, cols) in (("gate_up", (2 * width, hidden)), ("down", (hidden, width))):
+            for suffix, shape, dtype in (("packed", (num_experts, rows, cols // 2), torch.uint8),
+                                         ("scale", (num_experts, rows, cols // nvfp4.BLOCK_SIZE), torch.float8_e4m3fn),
+                                         ("global_scale", (num_experts,), torch.float32)):  # fmt: skip
+                tensor = torch.zeros(shape, dtype=dtype, device=device)
+                setattr(self, f"{stack}_{suffix}", nn.Parameter(tensor, requires_grad=False))
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, name: str = "experts") -> NVFP4Experts:
+        """Quantize transformers' fused experts (``gate_up_proj`` / ``down_proj`` 3-D parameters and ``act_fn``),
+        one expert at a time: each expert's gate and up rows under one global scale, its down rows under another
+        (bit-identical to compressed-tensors' NVFP4 of each expert's Linears; see :func:`~qerl_trl.nvfp4.quantize`)."""
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        num_experts, two_width, hidden = gate_up.shape
+        if tuple(down.shape) != (num_experts, hidden, two_width // 2):
+            raise ValueError(f"{name}: down_proj has shape {tuple(down.shape)}, expected "
+                             f"{(num_experts, hidden, two_width // 2)} for gate_up_proj {tuple(gate_up.shape)}")
+        out = cls(num_experts, hidden, two_width // 2, experts.act_fn, device=gate_up.device)
+        for stack, weights in (("gate_up", gate_up), ("down", down)):
+            for e in range(num_experts):
+                q = nvfp4.quantize(weights[e], global_scale=nvfp4.compute_global_scale(weights[e]),
+                                   name=f"{name}.{e}.{stack}")  # fmt: skip
+                for suffix, tensor in zip(_SUFFIXES, q):
+                    getattr(out, f"{stack}_{suffix}").data[e] = tensor.reshape(()) if suffix == "global_scale" else tensor
+        return out
+
+    def dequantize(self, stack: str, expert: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """One expert's dense ``gate_up`` [2 * width, hidden] or ``down`` [hidden, width] (for checks and export)."""
+        return nvfp4.dequantize(*self._expert(stack, expert), dtype=dtype)
+
+    def _expert(self, stack: str, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (getattr(self, f"{stack}_packed")[e], getattr(self, f"{stack}_scale")[e],
+                getattr(self, f"{stack}_global_scale")[e : e + 1])  # fmt: skip
+
+    def _matmul(self, x: torch.Tensor, stack: str, e: int) -> torch.Tensor:
+        packed, scale, global_scale = self._expert(stack, e)
+        if x.requires_grad and torch.is_grad_enabled():
+            return _NVFP4LinearFn.apply(x, packed, scale, global_scale)
+        return nvfp4_linear_forward(x, packed, scale, global_scale)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if torch.is_autocast_enabled(hidden_states.device.type):
+            hidden_states = hidden_states.to(torch.get_autocast_dtype(hidden_states.device.type))
+        if hidden_states.dtype not in ACTIVATION_DTYPES:
+            raise TypeError(f"NVFP4Experts takes bf16/fp16/fp32 activations, got {hidden_states.dtype}")
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+        for e in hit:
+            top_k_pos, token_idx = torch.where(expert_mask[e])
+            gate, up = self._matmul(hidden_states[token_idx], "gate_up", e).chunk(2, dim=-1)
+            out = self._matmul(self.act_fn(gate) * up, "down", e)
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    # -- state dict: per expert, as llm-compressor saves a MoE for vLLM --------------------------------------------
+    def _per_expert(self, prefix: str):
+        """``(checkpoint key, stack, expert, row slice, suffix)`` of every per-expert tensor."""
+        for stack, projections in STACKS:
+            rows = getattr(self, f"{stack}_packed").shape[1] // len(projections)
+            for e in range(self.num_experts):
+                for i, proj in enumerate(projections):
+                    for suffix, key in zip(_SUFFIXES, ("weight_packed", "weight_scale", "weight_global_scale")):
+                        yield f"{prefix}{e}.{proj}.{key}", stack, e, slice(i * rows, (i + 1) * rows), suffix
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # copies, not views: checkpoint writers refuse tensors that share storage
+        for key, stack, e, rows, suffix in self._per_expert(prefix):
+            t = getattr(self, f"{stack}_{suffix}")[e]
+            destination[key] = t.reshape(1).clone() if suffix == "global_scale" else t[rows].clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):  # fmt: skip
+        for key, stack, e, rows, suffix in self._per_expert(prefix):
+            if key not in state_dict:
+                if strict:
+                    missing_keys.append(key)
+                continue
+            target = getattr(self, f"{stack}_{suffix}")
+            with torch.no_grad():
+                value = state_dict[key].to(target.device)
+                if suffix == "global_scale":
+                    target[e] = value.reshape(())
+                elif tuple(value.shape) != tuple(target[e, rows].shape) or value.dtype != target.dtype:
+                    error_msgs.append(f"{key}: {value.dtype} {tuple(value.shape)}, expected {target.dtype} "
+                                      f"{tuple(target[e, rows].shape)}")  # fmt: skip
+                else:
+                    target[e, rows] = value
+        if strict:
+            mine = {key for key, *_ in self._per_expert(prefix)}
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in mine)
+
+    def _apply(self, fn, recurse: bool = True):
+        return apply_keeping_dtypes(self, QUANTIZED_PARAMS, lambda: super(NVFP4Experts, self)._apply(fn, recurse))
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden={self.hidden}, width={self.width}, format=nvfp4"

@@ -1,0 +1,162 @@
+"""``NVFP4Experts`` and ``quantize_model`` on a mixture-of-experts model (issue #54), on CPU with a tiny Qwen3-MoE:
+the packed experts compute what transformers' experts compute on their dequantized weights, forward and backward,
+stay frozen, and save per expert in the layout ``benchmarks/random_models.py`` writes (which vLLM's mapping reads)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks import random_models as rm  # noqa: E402
+from qerl_trl.nvfp4 import NVFP4Linear  # noqa: E402
+from qerl_trl.nvfp4.experts import NVFP4Experts  # noqa: E402
+from qerl_trl.quantizer import quantize_model  # noqa: E402
+from qerl_trl.quantizer.moe import MoENotSupportedError  # noqa: E402
+from tests.test_random_models import MOE_TINY, _tensors  # noqa: E402
+
+
+def tiny_moe(seed: int = 0, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(rm.qwen3_moe_config("qwen3-30b-a3b", **MOE_TINY), dtype=dtype)
+    with torch.no_grad():  # transformers leaves the expert stacks uninitialized (empty) in from_config
+        for p in model.parameters():
+            if p.ndim == 3:
+                p.normal_(0.0, 0.05)
+    return model
+
+
+def dense_reference(experts: NVFP4Experts, original: nn.Module) -> nn.Module:
+    """transformers' own experts module holding the dequantized weights of ``experts``."""
+    ref = copy.deepcopy(original)
+    with torch.no_grad():
+        for e in range(experts.num_experts):
+            ref.gate_up_proj[e] = experts.dequantize("gate_up", e, torch.float32)
+            ref.down_proj[e] = experts.dequantize("down", e, torch.float32)
+    return ref
+
+
+def test_experts_compute_transformers_expert_pass_on_the_dequantized_weights_forward_and_backward():
+    original = tiny_moe().model.layers[0].mlp.experts
+    packed = NVFP4Experts.from_experts(original)
+    ref = dense_reference(packed, original)
+    tokens, k = 11, 2
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, 64, generator=gen, requires_grad=True)
+    idx = torch.stack([torch.randperm(4, generator=gen)[:k] for _ in range(tokens)])
+    idx[0] = torch.tensor([3, 3 - 1])
+    w = torch.rand(tokens, k, generator=gen).softmax(-1).requires_grad_(True)
+    x_ref, w_ref = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+
+    y, y_ref = packed(x, idx, w), ref(x_ref, idx, w_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_ref.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)  # the hidden states, toward LoRA below
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)  # the routing weights, toward the router
+    assert not any(p.requires_grad for p in packed.parameters()) and all(p.grad is None for p in packed.parameters())
+    # NVFP4's rounding of each expert, not a wrong expert: the packed output is near the 16-bit experts'
+    y_bf16 = original(x.detach(), idx, w.detach())
+    assert ((y.detach() - y_bf16).norm() / y_bf16.norm()).item() < 0.2
+
+
+def test_gate_and_up_share_each_experts_global_scale_and_dtypes_survive_a_cast():
+    original = tiny_moe().model.layers[1].mlp.experts
+    packed = NVFP4Experts.from_experts(original)
+    from qerl_trl.nvfp4 import compute_global_scale
+
+    for e in range(4):
+        want = compute_global_scale(original.gate_up_proj[e].detach())  # over gate and up together
+        assert packed.gate_up_global_scale[e].item() == want.item()
+    packed.to(torch.bfloat16)
+    assert (packed.gate_up_packed.dtype, packed.down_scale.dtype, packed.down_global_scale.dtype) == (
+        torch.uint8, torch.float8_e4m3fn, torch.float32)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        NVFP4Experts(4, 64, 24, torch.nn.functional.silu)
+
+
+def test_quantizer_packs_every_layers_experts_and_attention_and_trains_through_them():
+    model = tiny_moe()
+    bf16 = copy.deepcopy(model)
+    plan = quantize_model(model)
+    layers = model.model.layers
+    assert all(isinstance(layer.mlp.experts, NVFP4Experts) for layer in layers)
+    assert all(isinstance(layer.self_attn.q_proj, NVFP4Linear) for layer in layers)
+    assert not any(p.ndim == 3 and p.dtype in (torch.float32, torch.bfloat16) for p in model.parameters())
+    assert set(plan.kept) == {"lm_head"}
+    assert model.config.quantization_config["ignore"] == ["lm_head", "re:.*mlp.gate$"]
+    # the 16-bit model holding every quantized weight's dequantized value computes the same logits
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, NVFP4Linear):
+                bf16.get_submodule(name).weight.copy_(module.dequantize(torch.float32))
+            elif isinstance(module, NVFP4Experts):
+                ref = dense_reference(module, bf16.get_submodule(name))
+                parent, _, child = name.rpartition(".")
+                setattr(bf16.get_submodule(parent), child, ref)
+    ids = torch.arange(5, 30)[None]
+    out = model(ids, labels=ids)
+    with torch.no_grad():
+        want = bf16(ids).logits
+    torch.testing.assert_close(out.logits.detach(), want, rtol=1e-4, atol=1e-5)
+    out.loss.backward()
+    router = layers[0].mlp.gate.weight
+    assert router.grad is not None and router.grad.abs().sum() > 0, "the router learns through the FP4 experts"
+    assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for n, p in model.named_parameters() if "packed" in n or "scale" in n)
+
+
+def test_a_quantized_moe_checkpoint_has_the_per_expert_layout_vllm_reads_and_loads_back(tmp_path):
+    """``save_pretrained`` after ``quantize_model`` writes what ``random_models.write_nvfp4_checkpoint`` writes for
+    the same config (the layout ``test_random_models`` checks against vLLM's expert mapping): the same tensor names,
+    dtypes and shapes and the same ``quantization_config``."""
+    model = tiny_moe(dtype=torch.bfloat16)
+    quantize_model(model)
+    model.save_pretrained(tmp_path / "ours")
+    config = rm.qwen3_moe_config("qwen3-30b-a3b", **MOE_TINY)
+    ref = rm.write_nvfp4_checkpoint(str(tmp_path / "ref"), config)
+    a, b = _tensors(str(tmp_path / "ours")), _tensors(ref)
+    assert {k: (t.dtype, tuple(t.shape)) for k, t in a.items()} == {k: (t.dtype, tuple(t.shape)) for k, t in b.items()}
+
+    def qc(path):
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)["quantization_config"]
+
+    assert qc(tmp_path / "ours") == qc(ref)
+    # the per-expert tensors are the stacks' rows, and load back into a fresh module
+    experts = model.model.layers[1].mlp.experts
+    assert torch.equal(a["model.layers.1.mlp.experts.2.up_proj.weight_packed"], experts.gate_up_packed[2, 32:])
+    assert torch.equal(a["model.layers.1.mlp.experts.2.down_proj.weight_global_scale"],
+                       experts.down_global_scale[2:3])  # fmt: skip
+    fresh = NVFP4Experts(4, 64, 32, experts.act_fn)
+    sd = {k.removeprefix("model.layers.1.mlp.experts."): v for k, v in a.items() if ".layers.1.mlp.experts." in k}
+    fresh.load_state_dict(sd)
+    for name, p in experts.named_parameters():
+        assert torch.equal(getattr(fresh, name).view(torch.uint8), p.view(torch.uint8)), name
+    with pytest.raises(RuntimeError, match="Missing key"):
+        fresh.load_state_dict({k: v for k, v in sd.items() if not k.startswith("3.")})
+
+
+def test_a_moe_is_still_refused_where_its_parts_are_missing():
+    """Loading with NVFP4Config quantizes Linears only, and a MoE whose router is not ``mlp.gate`` would be
+    written without its router in ``ignore``: both are refused, naming the module."""
+    from qerl_trl.quantizer.conversion import plan_conversion
+
+    model = tiny_moe()
+    with pytest.raises(MoENotSupportedError, match="mixture-of-experts"):
+        plan_conversion(model, None, [])
+    mlp = model.model.layers[0].mlp
+    mlp.router = mlp.gate
+    del mlp.gate
+    with pytest.raises(MoENotSupportedError, match=r"model.layers.0.mlp.experts: .*mlp.gate"):
+        quantize_model(model)
