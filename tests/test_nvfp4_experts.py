@@ -75,12 +75,13 @@ def test_gate_and_up_share_each_experts_global_scale_and_dtypes_survive_a_cast()
     packed = NVFP4Experts.from_experts(original)
     from qerl_trl.nvfp4 import compute_global_scale
 
+    before = {n: p.clone() for n, p in packed.named_parameters()}
     for e in range(4):
         want = compute_global_scale(original.gate_up_proj[e].detach())  # over gate and up together
-        assert packed.gate_up_global_scale[e].item() == want.item()
-    packed.to(torch.bfloat16)
-    assert (packed.gate_up_packed.dtype, packed.down_scale.dtype, packed.down_global_scale.dtype) == (
-        torch.uint8, torch.float8_e4m3fn, torch.float32)
+        assert packed.tensors("gate_up")[2][e].item() == want.item()
+    packed.to(torch.bfloat16)  # as model.to(bf16) does: the bit patterns are integers, so nothing is cast
+    assert all(torch.equal(p, before[n]) and p.dtype == before[n].dtype for n, p in packed.named_parameters())
+    assert [t.dtype for t in packed.tensors("down")] == [torch.uint8, torch.float8_e4m3fn, torch.float32]
     with pytest.raises(ValueError, match="divisible by 16"):
         NVFP4Experts(4, 64, 24, torch.nn.functional.silu)
 
@@ -137,12 +138,12 @@ def test_a_quantized_moe_checkpoint_has_the_per_expert_layout_vllm_reads_and_loa
     experts = model.model.layers[1].mlp.experts
     assert torch.equal(a["model.layers.1.mlp.experts.2.up_proj.weight_packed"], experts.gate_up_packed[2, 32:])
     assert torch.equal(a["model.layers.1.mlp.experts.2.down_proj.weight_global_scale"],
-                       experts.down_global_scale[2:3])  # fmt: skip
+                       experts.tensors("down")[2][2:3])  # fmt: skip
     fresh = NVFP4Experts(4, 64, 32, experts.act_fn)
     sd = {k.removeprefix("model.layers.1.mlp.experts."): v for k, v in a.items() if ".layers.1.mlp.experts." in k}
     fresh.load_state_dict(sd)
     for name, p in experts.named_parameters():
-        assert torch.equal(getattr(fresh, name).view(torch.uint8), p.view(torch.uint8)), name
+        assert torch.equal(getattr(fresh, name), p), name
     with pytest.raises(RuntimeError, match="Missing key"):
         fresh.load_state_dict({k: v for k, v in sd.items() if not k.startswith("3.")})
 

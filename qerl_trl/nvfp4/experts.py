@@ -21,25 +21,27 @@ import torch
 from torch import nn
 
 from . import format as nvfp4
-from .linear import ACTIVATION_DTYPES, _NVFP4LinearFn, apply_keeping_dtypes
+from .linear import ACTIVATION_DTYPES, _NVFP4LinearFn
 from .ops import nvfp4_linear_forward
 
 __all__ = ["NVFP4Experts"]
 
 #: the packed stacks: (stack, the per-expert checkpoint projections it holds, in row order)
 STACKS = (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",)))
-_SUFFIXES = ("packed", "scale", "global_scale")
-#: every frozen quantized tensor, whose dtype never changes
-QUANTIZED_PARAMS = tuple(f"{stack}_{s}" for stack, _ in STACKS for s in _SUFFIXES)
+#: each stack's tensors: (attribute suffix, the dtype it is read as, checkpoint key). The scales are held as integer
+#: bit patterns (float8 as uint8, float32 as int32), so ``model.to(torch.bfloat16)`` casts none of them.
+TENSORS = (("packed", torch.uint8, "weight_packed"), ("scale_bits", torch.float8_e4m3fn, "weight_scale"),
+           ("global_scale_bits", torch.float32, "weight_global_scale"))  # fmt: skip
+_BITS = {torch.uint8: torch.uint8, torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}
 
 
 class NVFP4Experts(nn.Module):
     """Frozen NVFP4 routed experts with the forward of transformers' fused experts
     (``forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])``).
 
-    State: ``gate_up_packed`` uint8 [experts, 2 * width, hidden / 2], ``gate_up_scale`` float8_e4m3fn
-    [experts, 2 * width, hidden / 16], ``gate_up_global_scale`` float32 [experts]; ``down_packed`` /
-    ``down_scale`` / ``down_global_scale`` likewise for [experts, hidden, width]. Build it with
+    State: ``gate_up_packed`` uint8 [experts, 2 * width, hidden / 2], ``gate_up_scale_bits`` (float8_e4m3fn
+    scales as uint8) [experts, 2 * width, hidden / 16], ``gate_up_global_scale_bits`` (float32 as int32) [experts];
+    ``down_*`` likewise for [experts, hidden, width]; :meth:`tensors` reads them typed. Build it with
     :meth:`from_experts`.
     """
 
@@ -51,10 +53,9 @@ class NVFP4Experts(nn.Module):
                              f"hidden={hidden}, width={width}; keep this model in 16-bit")  # fmt: skip
         self.num_experts, self.hidden, self.width, self.act_fn = num_experts, hidden, width, act_fn
         for stack, (rows, cols) in (("gate_up", (2 * width, hidden)), ("down", (hidden, width))):
-            for suffix, shape, dtype in (("packed", (num_experts, rows, cols // 2), torch.uint8),
-                                         ("scale", (num_experts, rows, cols // nvfp4.BLOCK_SIZE), torch.float8_e4m3fn),
-                                         ("global_scale", (num_experts,), torch.float32)):  # fmt: skip
-                tensor = torch.zeros(shape, dtype=dtype, device=device)
+            shapes = ((num_experts, rows, cols // 2), (num_experts, rows, cols // nvfp4.BLOCK_SIZE), (num_experts,))
+            for (suffix, dtype, _), shape in zip(TENSORS, shapes):
+                tensor = torch.zeros(shape, dtype=_BITS[dtype], device=device)
                 setattr(self, f"{stack}_{suffix}", nn.Parameter(tensor, requires_grad=False))
 
     @classmethod
@@ -72,17 +73,22 @@ class NVFP4Experts(nn.Module):
             for e in range(num_experts):
                 q = nvfp4.quantize(weights[e], global_scale=nvfp4.compute_global_scale(weights[e]),
                                    name=f"{name}.{e}.{stack}")  # fmt: skip
-                for suffix, tensor in zip(_SUFFIXES, q):
-                    getattr(out, f"{stack}_{suffix}").data[e] = tensor.reshape(()) if suffix == "global_scale" else tensor
+                for (suffix, dtype, _), tensor in zip(TENSORS, q):
+                    bits = tensor.view(_BITS[dtype])
+                    getattr(out, f"{stack}_{suffix}").data[e] = bits.reshape(()) if bits.ndim == 1 else bits
         return out
+
+    def tensors(self, stack: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``stack``'s (``"gate_up"`` or ``"down"``) packed codes, float8 scales and float32 global scales, typed."""
+        return tuple(getattr(self, f"{stack}_{suffix}").view(dtype) for suffix, dtype, _ in TENSORS)
 
     def dequantize(self, stack: str, expert: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """One expert's dense ``gate_up`` [2 * width, hidden] or ``down`` [hidden, width] (for checks and export)."""
         return nvfp4.dequantize(*self._expert(stack, expert), dtype=dtype)
 
     def _expert(self, stack: str, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (getattr(self, f"{stack}_packed")[e], getattr(self, f"{stack}_scale")[e],
-                getattr(self, f"{stack}_global_scale")[e : e + 1])  # fmt: skip
+        packed, scale, global_scale = self.tensors(stack)
+        return packed[e], scale[e], global_scale[e : e + 1]
 
     def _matmul(self, x: torch.Tensor, stack: str, e: int) -> torch.Tensor:
         packed, scale, global_scale = self._expert(stack, e)
@@ -109,43 +115,39 @@ class NVFP4Experts(nn.Module):
 
     # -- state dict: per expert, as llm-compressor saves a MoE for vLLM --------------------------------------------
     def _per_expert(self, prefix: str):
-        """``(checkpoint key, stack, expert, row slice, suffix)`` of every per-expert tensor."""
+        """``(checkpoint key, stack, expert, row slice, tensor index)`` of every per-expert tensor."""
         for stack, projections in STACKS:
             rows = getattr(self, f"{stack}_packed").shape[1] // len(projections)
             for e in range(self.num_experts):
                 for i, proj in enumerate(projections):
-                    for suffix, key in zip(_SUFFIXES, ("weight_packed", "weight_scale", "weight_global_scale")):
-                        yield f"{prefix}{e}.{proj}.{key}", stack, e, slice(i * rows, (i + 1) * rows), suffix
+                    for t, (_, _, key) in enumerate(TENSORS):
+                        yield f"{prefix}{e}.{proj}.{key}", stack, e, slice(i * rows, (i + 1) * rows), t
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # copies, not views: checkpoint writers refuse tensors that share storage
-        for key, stack, e, rows, suffix in self._per_expert(prefix):
-            t = getattr(self, f"{stack}_{suffix}")[e]
-            destination[key] = t.reshape(1).clone() if suffix == "global_scale" else t[rows].clone()
+        # typed copies, not views: checkpoint writers refuse tensors that share storage
+        for key, stack, e, rows, t in self._per_expert(prefix):
+            typed = self.tensors(stack)[t][e]
+            destination[key] = typed.reshape(1).clone() if typed.ndim == 0 else typed[rows].clone()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):  # fmt: skip
-        for key, stack, e, rows, suffix in self._per_expert(prefix):
+        for key, stack, e, rows, t in self._per_expert(prefix):
             if key not in state_dict:
                 if strict:
                     missing_keys.append(key)
                 continue
-            target = getattr(self, f"{stack}_{suffix}")
+            target = self.tensors(stack)[t][e]
+            value = state_dict[key].to(target.device)
+            want = target.reshape(1) if target.ndim == 0 else target[rows]
+            if tuple(value.shape) != tuple(want.shape) or value.dtype != want.dtype:
+                error_msgs.append(f"{key}: {value.dtype} {tuple(value.shape)}, expected {want.dtype} "
+                                  f"{tuple(want.shape)}")  # fmt: skip
+                continue
             with torch.no_grad():
-                value = state_dict[key].to(target.device)
-                if suffix == "global_scale":
-                    target[e] = value.reshape(())
-                elif tuple(value.shape) != tuple(target[e, rows].shape) or value.dtype != target.dtype:
-                    error_msgs.append(f"{key}: {value.dtype} {tuple(value.shape)}, expected {target.dtype} "
-                                      f"{tuple(target[e, rows].shape)}")  # fmt: skip
-                else:
-                    target[e, rows] = value
+                want.copy_(value)  # a view of this module's parameter
         if strict:
             mine = {key for key, *_ in self._per_expert(prefix)}
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in mine)
-
-    def _apply(self, fn, recurse: bool = True):
-        return apply_keeping_dtypes(self, QUANTIZED_PARAMS, lambda: super(NVFP4Experts, self)._apply(fn, recurse))
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden={self.hidden}, width={self.width}, format=nvfp4"

@@ -13,19 +13,6 @@ QUANTIZED_PARAMS = ("weight_packed", "weight_scale", "weight_global_scale")
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def apply_keeping_dtypes(module: nn.Module, names: tuple[str, ...], apply):
-    """``nn.Module._apply`` (``apply()``) for a module holding quantized tensors ``names``: they follow device moves
-    but keep their dtypes through ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` (a float8 scale or the float32
-    global scale cast to 16 bits would corrupt the weight)."""
-    before = {n: getattr(module, n).data for n in names}
-    out = apply()
-    for n, old in before.items():
-        p = getattr(module, n)
-        if p.dtype != old.dtype:
-            p.data = old.to(p.device)
-    return out
-
-
 class _NVFP4LinearFn(torch.autograd.Function):
     """``y = x @ Ŵᵀ``. Saves the packed tensors, never a dequantized weight; backward dequantizes again.
 
@@ -162,7 +149,14 @@ class NVFP4Linear(nn.Module):
         return y
 
     def _apply(self, fn, recurse: bool = True):
-        return apply_keeping_dtypes(self, QUANTIZED_PARAMS, lambda: super(NVFP4Linear, self)._apply(fn, recurse))
+        # Keep the quantized tensors' dtypes through .to(dtype)/.half()/.bfloat16(): follow device moves only.
+        before = {n: getattr(self, n).data for n in QUANTIZED_PARAMS}
+        out = super()._apply(fn, recurse)
+        for n, old in before.items():
+            p = getattr(self, n)
+            if p.dtype != old.dtype:
+                p.data = old.to(p.device)
+        return out
 
     def extra_repr(self) -> str:
         return (
