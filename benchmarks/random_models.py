@@ -462,12 +462,12 @@ class _Layout:
 
         from qerl_trl.quantizer.config import DEFAULT_FUSED_GROUPS
         from qerl_trl.quantizer.conversion import plan_conversion
-        from qerl_trl.quantizer.moe import ROUTER_IGNORE, beside_experts, check_routers, fused_experts
+        from qerl_trl.quantizer.moe import ROUTER_IGNORE, beside_experts, check_expert_layout, fused_experts
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         experts = fused_experts(model)
-        check_routers(model, experts)
+        check_expert_layout(model, experts)
         self.plan = beside_experts(model, experts, lambda: plan_conversion(model, None, DEFAULT_FUSED_GROUPS))
         self.ignore = sorted(self.plan.kept) + ([ROUTER_IGNORE] if experts else [])  # as quantize_model writes it
         kept = list(self.plan.kept)  # module -> why it stays 16-bit

@@ -161,3 +161,29 @@ def test_a_moe_is_still_refused_where_its_parts_are_missing():
     del mlp.gate
     with pytest.raises(MoENotSupportedError, match=r"model.layers.0.mlp.experts: .*mlp.gate"):
         quantize_model(model)
+
+
+def test_nvfp4config_quantizer_packs_a_16_bit_moe_checkpoint_on_load_as_quantize_model_does(tmp_path):
+    """``from_pretrained(..., quantization_config=NVFP4Config())`` on a 16-bit Qwen3-MoE checkpoint (per-expert
+    tensors, as transformers and the Hub save them): transformers merges each layer's experts into its stack, and
+    that stack is packed there, one layer at a time: the same bytes as ``quantize_model`` on the loaded model."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl_trl import NVFP4Config
+
+    model = tiny_moe(dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=NVFP4Config(),
+                                                  dtype=torch.bfloat16)  # fmt: skip
+    quantize_model(model)
+    assert all(isinstance(layer.mlp.experts, NVFP4Experts) for layer in loaded.model.layers)
+    mine, theirs = dict(loaded.named_parameters()), dict(model.named_parameters())
+    assert mine.keys() == theirs.keys()
+    for name, p in theirs.items():
+        assert p.device.type != "meta" and torch.equal(mine[name].view(torch.uint8), p.view(torch.uint8)), name
+    assert loaded.config.quantization_config == model.config.quantization_config
+    loaded.save_pretrained(tmp_path / "nvfp4")
+    from qerl_trl import load_nvfp4
+
+    with pytest.raises(MoENotSupportedError, match="load the 16-bit checkpoint with NVFP4Config"):
+        load_nvfp4(tmp_path / "nvfp4")

@@ -167,15 +167,17 @@ def test_quantize_model_in_place_matches_quantize_on_load(tmp_path, caplog):
                 assert torch.equal(getattr(mine, t).view(torch.uint8), getattr(m, t).view(torch.uint8)), (name, t)
 
 
-def test_quantizer_refuses_moe(tmp_path):
+def test_quantizer_refuses_a_moe_laid_out_otherwise_than_qwen3_moe(tmp_path):
+    """Qwen3-MoE's experts are packed on load (tests/test_nvfp4_experts.py); Mixtral's router is
+    ``block_sparse_moe.gate``, which the checkpoint's ``ignore`` (``re:.*mlp.gate$``) would not keep 16-bit."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=2, head_dim=16,
+        "mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1, head_dim=16,
     )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "moe")
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+    with pytest.raises(NotImplementedError, match="experts or router are laid out otherwise"):
         _load_nvfp4(tmp_path / "moe")
 
 

@@ -69,14 +69,23 @@ class NVFP4Experts(nn.Module):
             raise ValueError(f"{name}: down_proj has shape {tuple(down.shape)}, expected "
                              f"{(num_experts, hidden, two_width // 2)} for gate_up_proj {tuple(gate_up.shape)}")
         out = cls(num_experts, hidden, two_width // 2, experts.act_fn, device=gate_up.device)
-        for stack, weights in (("gate_up", gate_up), ("down", down)):
-            for e in range(num_experts):
-                q = nvfp4.quantize(weights[e], global_scale=nvfp4.compute_global_scale(weights[e]),
-                                   name=f"{name}.{e}.{stack}")  # fmt: skip
-                for (suffix, dtype, _), tensor in zip(TENSORS, q):
-                    bits = tensor.view(_BITS[dtype])
-                    getattr(out, f"{stack}_{suffix}").data[e] = bits.reshape(()) if bits.ndim == 1 else bits
+        out.load_stack("gate_up", gate_up, name)
+        out.load_stack("down", down, name)
         return out
+
+    def load_stack(self, stack: str, weights: torch.Tensor, name: str = "experts") -> None:
+        """Quantize a 16-bit stack (``"gate_up"`` [experts, 2 * width, hidden] or ``"down"`` [experts, hidden,
+        width]) into this module, one expert at a time, each under its own global scale (so gate and up share one)."""
+        want = tuple(getattr(self, f"{stack}_packed").shape)
+        if tuple(weights.shape) != (want[0], want[1], want[2] * 2):
+            raise ValueError(f"{name}: the {stack} stack has shape {tuple(weights.shape)}, expected "
+                             f"{(want[0], want[1], want[2] * 2)}")  # fmt: skip
+        for e in range(self.num_experts):
+            q = nvfp4.quantize(weights[e].detach(), global_scale=nvfp4.compute_global_scale(weights[e].detach()),
+                               name=f"{name}.{e}.{stack}")  # fmt: skip
+            for (suffix, dtype, _), tensor in zip(TENSORS, q):
+                bits = tensor.view(_BITS[dtype])
+                getattr(self, f"{stack}_{suffix}").data[e] = bits.reshape(()) if bits.ndim == 1 else bits
 
     def tensors(self, stack: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``stack``'s (``"gate_up"`` or ``"down"``) packed codes, float8 scales and float32 global scales, typed."""

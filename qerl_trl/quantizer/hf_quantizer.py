@@ -5,6 +5,9 @@
   on-the-fly-quantized checkpoints one tensor at a time, synchronously), which quantizes a fused group as soon as
   its last member arrives (see ``conversion.GroupQuantizer``);
 * NVFP4A16 checkpoint (``pre_quantized``): the packed tensors load as they are;
+* a mixture-of-experts model (transformers' fused 3-D expert stacks, Qwen3-MoE's layout) from a 16-bit checkpoint:
+  each layer's stack arrives merged from the per-expert tensors and is packed into an ``NVFP4Experts`` there, one
+  layer at a time (an NVFP4A16 MoE checkpoint is refused: its per-expert packed tensors are not read back yet);
 * after loading: freeze the NVFP4 tensors and make ``model.config.quantization_config`` the compressed-tensors
   NVFP4A16 dict, so ``save_pretrained`` writes a checkpoint vLLM serves directly.
 """
@@ -20,6 +23,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
 from ..nvfp4 import NVFP4Linear
+from ..nvfp4.experts import NVFP4Experts
 from . import compat
 from .checkpoint import compressed_tensors_config, packed_modules
 from .config import NVFP4Config
@@ -31,6 +35,7 @@ from .conversion import (
     plan_conversion,
     replace_linears,
 )
+from .moe import ROUTER_IGNORE, MoENotSupportedError, beside_experts, check_expert_layout, fused_experts
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,9 @@ class NVFP4Quantize(ConversionOps):
         out: dict[str, torch.Tensor] = {}
         for key, value in input_dict.items():
             tensor = value[0] if isinstance(value, list) else value
+            if key.rpartition(".")[0] in hq.experts:
+                hq.pack_experts(model, key, tensor, missing_keys)
+                continue
             name = key[: -len(".weight")]
             try:
                 quantized = hq.group_quantizer.add(name, tensor)
@@ -83,6 +91,9 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
         self.dtype: torch.dtype = torch.bfloat16
         #: errors raised while quantizing on load (transformers turns them into a log line and carries on)
         self.errors: list[Exception] = []
+        #: the model's fused expert stacks (``fused_experts``), and the (module, parameter) of each already packed
+        self.experts: set[str] = set()
+        self.packed_experts: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ before loading
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
@@ -114,7 +125,17 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
             else:
                 only = {n for n, _ in model.named_modules() if n in only or any(k.endswith("." + n) for k in only)}
         keep_fp32 = getattr(model, "_keep_in_fp32_modules", None)
-        self.plan = plan_conversion(model, skip, cfg.fused_groups, only=only, keep_fp32=keep_fp32)
+        experts = fused_experts(model)
+        if experts and self.pre_quantized:
+            raise MoENotSupportedError(
+                f"{type(model).__name__}: loading an NVFP4A16 mixture-of-experts checkpoint is not supported yet (its "
+                "per-expert packed tensors are not read back into NVFP4Experts); load the 16-bit checkpoint with "
+                "NVFP4Config() instead, which quantizes the experts on load."
+            )
+        check_expert_layout(model, experts)
+        self.experts = set(experts)
+        self.plan = beside_experts(model, experts, lambda: plan_conversion(
+            model, skip, cfg.fused_groups, only=only, keep_fp32=keep_fp32))
         self.group_quantizer = GroupQuantizer(self.plan)
         replace_linears(model, self.plan, self.dtype, placeholder=not self.pre_quantized)
         kept = list(self.plan.kept)
@@ -130,7 +151,27 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
         if self.pre_quantized or self.plan is None:
             return False
         module_name, _, tensor_name = param_name.rpartition(".")
+        if module_name in self.experts:
+            return tensor_name in ("gate_up_proj", "down_proj")
         return tensor_name == "weight" and module_name in self.plan.groups
+
+    def pack_experts(self, model, key: str, stack: torch.Tensor, missing_keys: set[str] | None) -> None:
+        """One layer's merged expert stack (``<experts>.gate_up_proj`` or ``.down_proj``, 16-bit, [experts, out,
+        in]) packed into that layer's ``NVFP4Experts``, which replaces transformers' module when the first of its two
+        stacks arrives; the 16-bit stack is dropped at once."""
+        name, _, param = key.rpartition(".")
+        module = model.get_submodule(name)
+        if not isinstance(module, NVFP4Experts):
+            experts, rows, cols = stack.shape
+            hidden, width = (cols, rows // 2) if param == "gate_up_proj" else (rows, cols)
+            packed = NVFP4Experts(experts, hidden, width, module.act_fn, device=stack.device)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, packed)
+            module = packed
+        module.load_stack("gate_up" if param == "gate_up_proj" else "down", stack, name)
+        self.packed_experts.add((name, param))
+        if missing_keys is not None:
+            missing_keys.discard(key)
 
     def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
         if self.param_needs_quantization(model, param_name):
@@ -160,10 +201,16 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
             meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
             if meta:
                 raise ValueError(f"NVFP4: {name} was not loaded ({meta} missing from the checkpoint)")
+        unpacked = sorted(f"{m}.{p}" for m in self.experts for p in ("gate_up_proj", "down_proj")
+                          if (m, p) not in self.packed_experts)  # fmt: skip
+        if unpacked:
+            raise ValueError(f"NVFP4: the checkpoint did not give {unpacked[:3]} (expert stacks), so they were not "
+                             "packed. Is the checkpoint complete?")  # fmt: skip
         freeze_nvfp4(model)
         if self.pre_quantized:
             self._warn_unshared_scales(model)
-        model.config.quantization_config = compressed_tensors_config(self.plan.kept)
+        model.config.quantization_config = compressed_tensors_config(
+            [*self.plan.kept, *([ROUTER_IGNORE] if self.experts else [])])
         return model
 
     def _warn_unshared_scales(self, model) -> None:

@@ -12,7 +12,7 @@ from . import conversion
 from .checkpoint import compressed_tensors_config
 from .config import NVFP4Config
 from .conversion import ConversionPlan, plan_conversion
-from .moe import ROUTER_IGNORE, beside_experts, check_routers, fused_experts
+from .moe import ROUTER_IGNORE, beside_experts, check_expert_layout, fused_experts
 
 
 def quantize_model(model: nn.Module, config: NVFP4Config | None = None) -> ConversionPlan:
@@ -33,7 +33,7 @@ def quantize_model(model: nn.Module, config: NVFP4Config | None = None) -> Conve
     config = config or NVFP4Config()
     keep_fp32 = getattr(model, "_keep_in_fp32_modules", None)
     experts = fused_experts(model)
-    check_routers(model, experts)
+    check_expert_layout(model, experts)
     plan = beside_experts(model, experts, lambda: plan_conversion(
         model, config.modules_to_not_convert, config.fused_groups, keep_fp32=keep_fp32))
     moe = bool(experts)

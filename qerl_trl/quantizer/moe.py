@@ -14,9 +14,10 @@ QeRL on a MoE model needs four links; what each version does (read from their co
    Holds.
 3. transformers 5.17 (and 5.23) stores Qwen3-MoE / Mixtral experts as fused 3-D parameters
    (``Qwen3MoeExperts.gate_up_proj`` [experts, 2*moe_intermediate, hidden] and ``down_proj`` [experts, hidden,
-   moe_intermediate]), not as ``nn.Linear``. ``quantize_model`` packs them in memory
-   (:class:`~qerl_trl.nvfp4.experts.NVFP4Experts`, saved per expert as vLLM reads them); loading with
-   ``NVFP4Config`` (transformers' weight conversion of per-expert checkpoints) does not yet. Partly there.
+   moe_intermediate]), not as ``nn.Linear``. For Qwen3-MoE, ``NVFP4Config`` on a 16-bit checkpoint (each layer's
+   stack packed as transformers merges it) and ``quantize_model`` pack them into
+   :class:`~qerl_trl.nvfp4.experts.NVFP4Experts`, saved per expert as vLLM reads them; an NVFP4A16 MoE checkpoint
+   is not read back yet. Holds for the base (CPU-tested).
 4. PEFT 0.21.2 reaches those tensors only through ``LoraConfig(target_parameters=[...])``, i.e. ``ParamWrapper``
    (``peft/tuners/lora/layer.py``), which adds ``B @ A`` to the dense parameter through
    ``torch.nn.utils.parametrize`` (``_LoraFactorsProxy`` / ``_LoraParameterProxy``): it needs a dense expert
@@ -42,12 +43,12 @@ _EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 MOE_MISSING = (
     "vLLM 0.24 would serve NVFP4A16 experts on Hopper (CompressedTensorsW4A4Nvfp4MoEMethod with use_a16=True, "
-    "MarlinExperts backend) with a LoRA (FusedMoEWithLoRA), but two parts are missing: (1) loading with NVFP4Config "
-    "converts nn.Linear only, and transformers 5.17 stores the experts as fused 3-D parameters ({example}), so they "
-    "would stay 16-bit (qerl_trl.quantizer.quantize_model packs a loaded Qwen3-MoE's experts in memory; the trainer "
-    "does not use it for MoE yet); (2) PEFT 0.21 puts LoRA on those parameters only through "
-    "target_parameters (peft.tuners.lora.layer.ParamWrapper), which adds B@A to the dense expert tensor, which a "
-    "packed NVFP4 base does not keep. Use a dense model (Llama, Qwen2, Qwen3, Mistral families)."
+    "MarlinExperts backend) with a LoRA (FusedMoEWithLoRA), and qerl_trl packs Qwen3-MoE's experts, which "
+    "transformers 5.17 stores as fused 3-D parameters ({example}), into NVFP4 (NVFP4Config on a 16-bit checkpoint, "
+    "or quantize_model), but two parts are missing: (1) the trainer's path for them (vLLM colocate serving the NVFP4 "
+    "experts, AQN and the rollout checks) has not run on a GPU; (2) PEFT 0.21 puts LoRA on expert parameters only "
+    "through target_parameters (peft.tuners.lora.layer.ParamWrapper), which adds B@A to the dense expert tensor, "
+    "which a packed NVFP4 base does not keep. Use a dense model (Llama, Qwen2, Qwen3, Mistral families)."
 )
 
 
@@ -95,9 +96,24 @@ def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def check_routers(model: nn.Module, experts: dict[str, nn.Module]) -> None:
-    """Each expert stack's router must be its sibling ``gate`` (Qwen3-MoE's ``mlp.gate``), the module
-    :data:`ROUTER_IGNORE` keeps 16-bit in the checkpoint; another layout is refused, naming the module."""
+#: MoE decoders whose checkpoint layout NVFP4 experts are written in: per-expert ``mlp.experts.<e>.gate_proj`` /
+#: ``up_proj`` / ``down_proj`` and the router ``mlp.gate``, no shared expert (vLLM's Qwen3-MoE loader reads those)
+EXPERT_LAYOUT_MODEL_TYPES = ("qwen3_moe",)
+
+
+def check_expert_layout(model: nn.Module, experts: dict[str, nn.Module]) -> None:
+    """A model with expert stacks must be one whose checkpoint names :class:`~qerl_trl.nvfp4.experts.NVFP4Experts`
+    writes (:data:`EXPERT_LAYOUT_MODEL_TYPES`: Mixtral's vLLM checkpoints name experts ``w1``/``w2``/``w3``), with each
+    router its sibling ``gate``, which :data:`ROUTER_IGNORE` keeps 16-bit; anything else is refused, naming it."""
+    if not experts:
+        return
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in EXPERT_LAYOUT_MODEL_TYPES:
+        raise MoENotSupportedError(
+            f"{type(model).__name__} is a mixture-of-experts model ({model_type}): NVFP4 experts are packed and "
+            f"written for vLLM in the checkpoint layout of {', '.join(EXPERT_LAYOUT_MODEL_TYPES)} only (per-expert "
+            "gate_proj/up_proj/down_proj, router mlp.gate); this model's experts or router are laid out otherwise."
+        )
     for name in experts:
         parent = name.rpartition(".")[0]
         if not name.endswith("mlp.experts") or not isinstance(getattr(model.get_submodule(parent), "gate", None),
