@@ -48,7 +48,8 @@ MOE_MISSING = (
     "or quantize_model), but two parts are missing: (1) the trainer's path for them (vLLM colocate serving the NVFP4 "
     "experts, AQN and the rollout checks) has not run on a GPU; (2) PEFT 0.21 puts LoRA on expert parameters only "
     "through target_parameters (peft.tuners.lora.layer.ParamWrapper), which adds B@A to the dense expert tensor, "
-    "which a packed NVFP4 base does not keep. Use a dense model (Llama, Qwen2, Qwen3, Mistral families)."
+    "which a packed NVFP4 base does not keep. Use a dense model (Llama, Qwen2, Qwen3, Mistral families), or, for "
+    "Qwen3-MoE, QeRLGRPOConfig(experimental_moe=True): experts in NVFP4, LoRA on the attention, CPU-tested only."
 )
 
 

@@ -94,6 +94,14 @@ class QeRLGRPOConfig(GRPOConfig):
             completion token exceeds this many nats (or most of vLLM's log-probs are NaN): the engine is not serving
             the trained policy. Healthy runs measure about 0.05 (0.2–0.35 with AQN at σ = 1e-2). `None` disables.
 
+        > Mixture-of-experts policies (experimental)
+
+        experimental_moe (`bool`, defaults to `False`):
+            Train a Qwen3-MoE policy given as a 16-bit checkpoint or model: its routed experts in NVFP4
+            (`NVFP4Experts`, packed on load, frozen), its attention in NVFP4 with the LoRA (`"all-linear"` reaches no
+            expert or router), the router 16-bit. CPU-tested only: its vLLM colocate path has not run on a GPU
+            (issue #54); without it a MoE model is refused before anything loads.
+
         > Training pass
 
         fused_importance_sampling (`bool`, defaults to `False`):
@@ -196,6 +204,10 @@ class QeRLGRPOConfig(GRPOConfig):
         },
     )
 
+    experimental_moe: bool = field(
+        default=False,
+        metadata={"help": "Train a Qwen3-MoE policy (experts in NVFP4, LoRA on the attention); CPU-tested only."},
+    )
     fused_importance_sampling: bool = field(
         default=False,
         metadata={"help": "Build vLLM's importance-sampling ratio from each micro-batch's training forward instead of "

@@ -15,18 +15,20 @@ from __future__ import annotations
 from torch import nn
 
 from ..nvfp4 import NVFP4Linear
+from ..nvfp4.experts import NVFP4Experts
 
 __all__ = ["exclude_nvfp4_base_from_ddp"]
 
 
 def exclude_nvfp4_base_from_ddp(model: nn.Module) -> list[str]:
-    """Add every frozen tensor of every ``NVFP4Linear`` of ``model`` to DDP's ignore list; return the names added.
+    """Add every frozen tensor of every ``NVFP4Linear`` and ``NVFP4Experts`` of ``model`` to DDP's ignore list;
+    return the names added.
 
     Call it on the module that will be wrapped (the PEFT model), before ``accelerator.prepare``.
     """
     names = []
     for mod_name, module in model.named_modules():
-        if isinstance(module, NVFP4Linear):
+        if isinstance(module, (NVFP4Linear, NVFP4Experts)):
             for t_name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 if not getattr(t, "requires_grad", False):
                     names.append(f"{mod_name}.{t_name}" if mod_name else t_name)

@@ -27,7 +27,7 @@ from transformers import AutoConfig, PreTrainedModel
 
 from ..model_source import check_model_source
 from ..nvfp4 import NVFP4Linear
-from ..quantizer.moe import refuse_moe_config
+from ..quantizer.moe import EXPERT_LAYOUT_MODEL_TYPES, refuse_moe_config
 from .config import QeRLGRPOConfig
 from .model_forms import (
     SplitPeftModel,
@@ -94,7 +94,7 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
                 "You passed a PeftModel and a peft_config; pass one of them (the PeftModel's own LoRA is used)."
             )
         base = model.get_base_model()
-        check_architecture(base.config, type(base).__name__)
+        check_architecture(base.config, type(base).__name__, args.experimental_moe)
         check_vllm_layout(base.config, args)
         check_lora_early(check_peft_model(model)[1], args)
         split = split_peft_model(model)
@@ -111,10 +111,12 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
         model, source_is_nvfp4 = load_nvfp4_model(model, args)
     else:
         base = _base_model(model)
-        check_architecture(base.config, type(base).__name__)
+        check_architecture(base.config, type(base).__name__, args.experimental_moe)
         check_vllm_layout(base.config, args)
         if not has_nvfp4(model):
-            quantize_instance(model, args.nvfp4_modules_to_not_convert)
+            quantize_instance(model, args.nvfp4_modules_to_not_convert, args.experimental_moe)
+    if split is None:
+        peft_config = attention_lora_for_moe(peft_config, model)
 
     if processing_class is None:
         from transformers import AutoProcessor
@@ -129,14 +131,40 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
     return PreparedPolicy(model, peft_config, processing_class, source, source_is_nvfp4, split)
 
 
+#: the attention projections of a Qwen3-MoE decoder layer: where its LoRA goes when "all-linear" is asked
+MOE_ATTENTION_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def attention_lora_for_moe(lora_config: Any, model: nn.Module) -> Any:
+    """A MoE policy's ``target_modules="all-linear"`` as its attention projections (a copy of the config).
+
+    PEFT 0.21 turns "all-linear" on a transformers-5 MoE into ``target_parameters`` on the fused expert stacks and
+    the router (``peft.utils.transformers_weight_conversion._convert_peft_config_moe``), which the packed experts
+    cannot carry; the attention is where QeRL puts a MoE's LoRA by default (issue #54). A dense model's config is
+    returned as it is."""
+    import copy
+
+    from ..quantizer.moe import moe_expert_count
+
+    if lora_config is None or lora_config.target_modules != "all-linear" or not moe_expert_count(model.config):
+        return lora_config
+    lora_config = copy.deepcopy(lora_config)
+    lora_config.target_modules = list(MOE_ATTENTION_LORA_TARGETS)
+    logger.info("QeRL: a mixture-of-experts policy: the LoRA ('all-linear') goes on the attention, %s",
+                MOE_ATTENTION_LORA_TARGETS)  # fmt: skip
+    return lora_config
+
+
 # -- the checks ---------------------------------------------------------------------------------------------------
 
 
-def check_architecture(config: Any, model_class_name: str | None = None) -> str:
+def check_architecture(config: Any, model_class_name: str | None = None, allow_moe: bool = False) -> str:
     """Return the architecture name, or raise a clear error naming an unsupported one (a MoE one: the missing
-    parts, see ``quantizer.moe``)."""
+    parts, see ``quantizer.moe``; with ``allow_moe``, ``experimental_moe``, Qwen3-MoE passes)."""
     archs = list(getattr(config, "architectures", None) or [])
     arch = model_class_name or (archs[0] if archs else type(config).__name__)
+    if allow_moe and getattr(config, "model_type", None) in EXPERT_LAYOUT_MODEL_TYPES:
+        return arch
     refuse_moe_config(config, arch)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -204,7 +232,7 @@ def load_nvfp4_model(model_id: str, args: QeRLGRPOConfig) -> tuple[PreTrainedMod
     config = AutoConfig.from_pretrained(
         model_id, revision=kwargs.get("revision"), trust_remote_code=kwargs["trust_remote_code"]
     )
-    check_architecture(config)
+    check_architecture(config, allow_moe=args.experimental_moe)
     check_vllm_layout(config, args)
     qc = getattr(config, "quantization_config", None)
     qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()

@@ -1,0 +1,69 @@
+"""``QeRLGRPOConfig(experimental_moe=True)``: a Qwen3-MoE policy trains on the CPU (use_vllm=False) with its experts
+in NVFP4 and the LoRA on the attention; without the option a MoE model is refused before anything loads, naming it.
+The vLLM colocate path of a MoE policy has not run on a GPU (issue #54)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks import random_models as rm
+from qerl_trl import QeRLGRPOTrainer
+from qerl_trl.nvfp4 import NVFP4Linear
+from qerl_trl.nvfp4.experts import NVFP4Experts
+from qerl_trl.quantizer.moe import MoENotSupportedError
+from tests.test_nvfp4_experts import tiny_moe
+from tests.test_trainer_grpo import VOCAB, config, dataset, make_tokenizer, token_sum_reward
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe-bf16")
+    model = tiny_moe(dtype=torch.bfloat16)
+    model.resize_token_embeddings(VOCAB)
+    model.config.eos_token_id = model.config.pad_token_id = model.config.bos_token_id = 2
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_a_moe_policy_is_refused_without_the_option_naming_it(moe_checkpoint, tmp_path):
+    with pytest.raises(MoENotSupportedError, match=r"experimental_moe=True"):
+        QeRLGRPOTrainer(model=moe_checkpoint, reward_funcs=token_sum_reward, args=config(tmp_path),
+                        train_dataset=dataset(), processing_class=make_tokenizer())  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_qwen3_moe_policy_trains_its_attention_lora_over_nvfp4_experts(moe_checkpoint, tmp_path):
+    trainer = QeRLGRPOTrainer(model=moe_checkpoint, reward_funcs=token_sum_reward,
+                              args=config(tmp_path / "out", experimental_moe=True, max_steps=2, save_strategy="no"),
+                              train_dataset=dataset(), processing_class=make_tokenizer())  # fmt: skip
+    model = trainer.model
+    experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
+    assert len(experts) == 2 and sum(isinstance(m, NVFP4Linear) for m in model.modules()) == 2 * 4
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and "self_attn" in n for n in trainable), trainable[:4]
+    packed = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert any(not torch.equal(p.detach(), lora[n]) for n, p in model.named_parameters() if n in lora)
+    assert all(torch.equal(p.detach(), packed[n]) for n, p in model.named_parameters() if n in packed)
+    assert any("aqn/sigma" in h for h in trainer.state.log_history)
+
+
+def test_only_qwen3_moe_passes_the_architecture_check_with_the_option():
+    from qerl_trl.trainer.policy import check_architecture
+
+    qwen3 = rm.qwen3_moe_config("qwen3-30b-a3b", **{"num_hidden_layers": 1})
+    assert check_architecture(qwen3, allow_moe=True) == "Qwen3MoeForCausalLM"
+    with pytest.raises(MoENotSupportedError):
+        check_architecture(qwen3)
+    from transformers import AutoConfig
+
+    mixtral = AutoConfig.for_model("mixtral", num_local_experts=4)
+    with pytest.raises(MoENotSupportedError):
+        check_architecture(mixtral, allow_moe=True)
