@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import itertools
 import json
@@ -468,7 +469,8 @@ class _Layout:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         experts = fused_experts(model)
         check_expert_layout(model, experts)
-        self.plan = beside_experts(model, experts, lambda: plan_conversion(model, None, DEFAULT_FUSED_GROUPS))
+        plan = functools.partial(plan_conversion, model, None, DEFAULT_FUSED_GROUPS)
+        self.plan = beside_experts(model, experts, plan)
         self.ignore = sorted(self.plan.kept) + ([ROUTER_IGNORE] if experts else [])  # as quantize_model writes it
         kept = list(self.plan.kept)  # module -> why it stays 16-bit
         if len(kept) != 1 or model.get_submodule(kept[0]) is not model.get_output_embeddings():

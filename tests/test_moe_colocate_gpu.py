@@ -10,19 +10,13 @@ trainer's, with the adapter moving them. ``pytest -m vllm`` on the GPU machine (
 
 from __future__ import annotations
 
-import json
-import math
 import os
 
 import pytest
-import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 WORK = os.environ.get("QERL_E2E_WORK", "/tmp/qerl-e2e")
-LOGPROB_TOL = 0.05  # mean |Δ log p| per token, as test_real_shape_colocate
-SERVED_MIN = 5 * LOGPROB_TOL
-AQN_REL_TOL = 0.10
 #: small enough to write in seconds, large enough for vLLM's NVFP4 MoE kernels (sizes multiples of 128)
 SHAPE = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64)  # fmt: skip
@@ -32,17 +26,9 @@ SHAPE = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256
 def test_colocate_training_of_a_qwen3_moe_policy(tmp_path, lora_backend):
     """Each backend in its own process: one colocated engine per process, as in training."""
     pytest.importorskip("vllm")
-    import subprocess
-    import sys
+    from colocate_job import run_job_in_child
 
-    from qerl_trl.study.runner import child_env
-
-    env = {**child_env(os.environ, os.cpu_count() or 1), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, __file__, lora_backend, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=570, cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
-    print(proc.stdout[-3000:])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    assert "logprob check:" in proc.stdout
+    run_job_in_child(__file__, lora_backend, tmp_path)
 
 
 def _job(lora_backend: str, tmp_path) -> None:
@@ -50,10 +36,9 @@ def _job(lora_backend: str, tmp_path) -> None:
     from transformers import AutoTokenizer
 
     from benchmarks import random_models as rm
-    from benchmarks.colocate_check import lora_logprob_check, record_aqn_in_vllm
     from benchmarks.rollout import expert_kernels_of
+    from colocate_job import train_and_check
     from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
-    from qerl_trl.aqn import AQNSchedule
     from qerl_trl.nvfp4.experts import NVFP4Experts
 
     config = rm.qwen3_moe_config("qwen3-30b-a3b", **SHAPE)
@@ -79,39 +64,12 @@ def _job(lora_backend: str, tmp_path) -> None:
     print(f"engine start {gen.engine_start_seconds:.1f} s, FP4 kernel {gen.serving.fp4_kernel}, experts: {served}")
     assert sum(served.values()) == SHAPE["num_hidden_layers"] and all("Nvfp4" in k for k in served), served
 
-    model = trainer.model
-    experts = {n: m.gate_up_packed.detach().clone() for n, m in model.named_modules() if isinstance(m, NVFP4Experts)}
+    experts, lora0 = train_and_check(trainer, NVFP4Experts, "gate_up_packed", (1e-2, 1e-3, 3))
     assert len(experts) == SHAPE["num_hidden_layers"]
-    lora0 = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    assert lora0 and all("self_attn" in n for n in lora0)
-    rounds, stop_recording = record_aqn_in_vllm(trainer)
-    trainer.train()
-    stop_recording()
-
-    steps = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps), steps
-    schedule = AQNSchedule(1e-2, 1e-3, 3)
-    noised = [r for r in rounds if r["stage"] > 0]
-    assert noised, rounds
-    for r in noised:
-        want = schedule.sigma(r["step"], 3)
-        assert abs(r["realized_std"] - want) <= AQN_REL_TOL * want, r
-    guard = trainer._rollout_guard
-    assert guard is not None and guard.last is not None and not guard.bad_rounds, (guard.last, guard.bad_rounds)
-    moved = [n for n, p in model.named_parameters() if "lora_" in n and not torch.equal(p.detach(), lora0[n])]
-    assert len(moved) > len(lora0) // 2, f"only {len(moved)} of {len(lora0)} LoRA tensors changed"
-    for n, m in model.named_modules():
-        if isinstance(m, NVFP4Experts):
-            assert torch.equal(m.gate_up_packed, experts[n]), f"the packed experts of {n} changed"
-    lp = lora_logprob_check(trainer)
-    print("logprob check:", json.dumps(lp))
-    assert lp["match"] <= LOGPROB_TOL, lp
-    assert lp["served"] >= SERVED_MIN, lp
+    assert lora0 and all("self_attn" in n for n in lora0), "the LoRA is on the attention only"
 
 
 if __name__ == "__main__":  # one backend's job in a fresh process (see the test)
-    import pathlib
-    import sys
+    from colocate_job import main
 
-    sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    _job(sys.argv[1], pathlib.Path(sys.argv[2]))
+    main(_job)

@@ -13,8 +13,6 @@ machine under ``$QERL_E2E_WORK`` (default ``/tmp/qerl-e2e``, shared with ``bench
 
 from __future__ import annotations
 
-import json
-import math
 import os
 
 import pytest
@@ -23,9 +21,6 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 WORK = os.environ.get("QERL_E2E_WORK", "/tmp/qerl-e2e")
-LOGPROB_TOL = 0.05  # mean |Δ log p| per token, vLLM (FP4 + LoRA) vs the trainer (as benchmarks/colocate_check)
-SERVED_MIN = 5 * LOGPROB_TOL
-AQN_REL_TOL = 0.10  # realized σ in vLLM's norms against the schedule's (as benchmarks/colocate_check)
 
 
 def _expected_kernel() -> str:
@@ -63,25 +58,16 @@ def _qerl_trainer(path: str, out: str, steps: int, lora_backend: str):
 def test_colocate_training_on_qwen25_1_5b_shapes(tmp_path, lora_backend):
     """Each backend in its own process: one colocated engine per process, as in training."""
     pytest.importorskip("vllm")
-    import subprocess
-    import sys
+    from colocate_job import run_job_in_child
 
-    from qerl_trl.study.runner import child_env
-
-    env = {**child_env(os.environ, os.cpu_count() or 1), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, __file__, lora_backend, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=570, cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
-    print(proc.stdout[-3000:])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    assert "logprob check:" in proc.stdout
+    run_job_in_child(__file__, lora_backend, tmp_path)
 
 
 def _job(lora_backend: str, tmp_path) -> None:
     from triton import knobs
 
     from benchmarks import random_models as rm
-    from benchmarks.colocate_check import lora_logprob_check, record_aqn_in_vllm
-    from qerl_trl.aqn import AQNSchedule
+    from colocate_job import train_and_check
     from qerl_trl.nvfp4 import NVFP4Linear
     from qerl_trl.vllm_plugin.single_lora import fp4_kernels_of
     from test_kernel_hooks import _forget_compiled_kernels
@@ -100,40 +86,11 @@ def _job(lora_backend: str, tmp_path) -> None:
     assert knobs.runtime.jit_post_compile_hook is not None, "vLLM's JIT monitor is not active: the test proves nothing"
     _forget_compiled_kernels()
 
-    model = trainer.model
-    packed = {n: m.weight_packed.detach().clone() for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    packed, _ = train_and_check(trainer, NVFP4Linear, "weight_packed", (1e-2, 1e-3, 3))
     assert len(packed) == 28 * 7
-    lora0 = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    rounds, stop_recording = record_aqn_in_vllm(trainer)
-    trainer.train()
-    stop_recording()
-
-    steps = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps), steps
-    assert any(h.get("aqn/sigma", 0) > 0 for h in steps), "AQN never noised a rollout"
-    schedule = AQNSchedule(1e-2, 1e-3, 3)
-    noised = [r for r in rounds if r["stage"] > 0]
-    assert noised, rounds
-    for r in noised:  # the noise reached vLLM's (float32) norms at the scheduled σ
-        want_sigma = schedule.sigma(r["step"], 3)
-        assert abs(r["realized_std"] - want_sigma) <= AQN_REL_TOL * want_sigma, r
-        assert r["vllm_norm_dtypes"] == ["torch.float32"], r
-    guard = trainer._rollout_guard
-    assert guard is not None and guard.last is not None and not guard.bad_rounds, (guard.last, guard.bad_rounds)
-    moved = [n for n, p in model.named_parameters() if "lora_" in n and not torch.equal(p.detach(), lora0[n])]
-    assert len(moved) > len(lora0) // 2, f"only {len(moved)} of {len(lora0)} LoRA tensors changed"
-    for n, m in model.named_modules():
-        if isinstance(m, NVFP4Linear):
-            assert torch.equal(m.weight_packed, packed[n]), f"the packed base of {n} changed"
-    lp = lora_logprob_check(trainer)
-    print("logprob check:", json.dumps(lp))
-    assert lp["match"] <= LOGPROB_TOL, lp
-    assert lp["served"] >= SERVED_MIN, lp
 
 
 if __name__ == "__main__":  # one backend's job in a fresh process (see the test)
-    import pathlib
-    import sys
+    from colocate_job import main
 
-    sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    _job(sys.argv[1], pathlib.Path(sys.argv[2]))
+    main(_job)
