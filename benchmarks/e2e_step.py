@@ -37,6 +37,9 @@ Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the
 
 Checkpoints are written once per machine under ``--work``: BF16 with ``from_config`` on the GPU (7B, 14B), NVFP4A16
 with random packed weights directly (every size; a 32B BF16 checkpoint, 65 GB, does not fit a 64 GiB disk).
+``--sizes 30b-a3b`` (Qwen3-30B-A3B, issue #54; not yet run on a GPU): QeRL arms train with ``experimental_moe=True``
+from the BF16 checkpoint (61 GB: a 4-GPU machine's disk), TRL's arm is ``not_run`` on a card smaller than its two
+BF16 copies (``unrunnable``).
 """
 
 from __future__ import annotations
@@ -69,11 +72,11 @@ ARM_OPTIONS: dict[str, dict[str, Any]] = {"qerl": {"vllm_lora_sync_in_place": Fa
 DEFAULT_ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora")
 SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b",
          "30b-a3b": "qwen3-30b-a3b"}
-#: mixture-of-experts sizes: their checkpoints serve rollout.py's engines; the trainers' rows wait on issue #54
-#: (QeRLGRPOTrainer refuses MoE models), so they are in no matrix here
+#: mixture-of-experts sizes (issue #54): QeRL arms train them with ``experimental_moe=True`` from the BF16
+#: checkpoint (an NVFP4A16 MoE one is not read back yet); their BF16 checkpoint (61 GB) needs a 4-GPU machine's disk
 MOE_SIZES = ("30b-a3b",)
 #: vLLM's share of the GPU, the same for every arm of a size (what a BF16 engine needs for weights + KV cache).
-GPU_MEMORY_UTILIZATION = {"1.5b": 0.3, "7b": 0.35, "14b": 0.55, "32b": 0.45}
+GPU_MEMORY_UTILIZATION = {"1.5b": 0.3, "7b": 0.35, "14b": 0.55, "32b": 0.45, "30b-a3b": 0.45}
 #: an H100 80GB's memory as torch reports it (about): ``--card-gib`` for "would this fit an 80 GB card"
 H100_80GB_GIB = 79.2
 PROMPT_TOKENS = 128
@@ -149,6 +152,7 @@ def default_matrix(arms: tuple[str, ...] | list[str] = DEFAULT_ARMS) -> list[Row
         ("7b", 8, 8, 512, True),
         ("32b", 1, 8, 2048, True),
         ("14b", 8, 8, 512, True),
+        ("30b-a3b", 2, 8, 512, True),  # issue #54's MoE row: Qwen3-30B-A3B, sleep mode on
     ]
     rows = [RowSpec(size=size, prompts=p, generations=g, completion_len=length, sleep=sleep, **parse_arm(arm))
             for size, p, g, length, sleep in settings for arm in arms]
@@ -338,7 +342,8 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         raise ValueError(f"{spec.name}: {n_completions} completions do not split into micro-batches of {micro}")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(paths["nvfp4"] if spec.arm in QERL_ARMS else paths["bf16"])
+    moe = spec.size in MOE_SIZES
+    tok = AutoTokenizer.from_pretrained(paths["nvfp4"] if spec.arm in QERL_ARMS and not moe else paths["bf16"])
     prompts = rm.make_prompts(spec.prompts * (steps + 2), PROMPT_TOKENS, seed=seed, tokenizer=tok)
     dataset = Dataset.from_dict({"prompt": prompts})
     common = dict(
@@ -374,10 +379,11 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         args = QeRLGRPOConfig(**{**common, "lora_r": LORA_R, "lora_alpha": LORA_ALPHA, "aqn": True,
                                  "nvfp4_cache_dir": os.path.join(work, "qerl-cache"),
                                  "vllm_lora_backend": QERL_ARMS[spec.arm], **ARM_OPTIONS.get(spec.arm, {}),
-                                 "fused_importance_sampling": spec.fused_is,
+                                 "fused_importance_sampling": spec.fused_is, "experimental_moe": moe,
                                  **(overrides or {})})
-        return QeRLGRPOTrainer(model=paths["nvfp4"], reward_funcs=_reward, args=args, train_dataset=dataset,
-                               processing_class=tok)
+        # a MoE trains from its BF16 checkpoint, packed on load (an NVFP4A16 MoE checkpoint is not read back yet)
+        return QeRLGRPOTrainer(model=paths["bf16" if moe else "nvfp4"], reward_funcs=_reward, args=args,
+                               train_dataset=dataset, processing_class=tok)  # fmt: skip
     from trl import GRPOConfig, GRPOTrainer
 
     quant = None
@@ -410,8 +416,24 @@ def row_name(row: dict) -> str:
                       for f in fields}).name  # rows from before an option was recorded ran at its default
 
 
-def unrunnable(spec: RowSpec) -> str | None:
-    """The ``not_run`` status of a row this machine cannot run by design (32B BF16/QLoRA), else None."""
+#: a Qwen3-30B-A3B BF16 copy (GiB): TRL colocate holds two (the policy and vLLM's engine)
+MOE_BF16_GIB = 57.0
+
+
+def unrunnable(spec: RowSpec, card_gib: float | None = None) -> str | None:
+    """The ``not_run`` status of a row this machine cannot run by design (32B BF16/QLoRA; a MoE's TRL arms on a card
+    smaller than its two BF16 copies), else None. ``card_gib``: the card's memory (default: this machine's GPU 0)."""
+    if spec.size in MOE_SIZES:
+        if spec.arm in QERL_ARMS:
+            return None
+        if card_gib is None:
+            import torch
+
+            card_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
+        if card_gib < 2 * MOE_BF16_GIB + 8:
+            return (f"not_run: TRL colocate holds the BF16 policy ({MOE_BF16_GIB:.0f} GiB) and vLLM's BF16 copy, more "
+                    f"than this {card_gib:.0f} GiB card (QeRL holds the NVFP4 base, about 16 GiB, twice)")
+        return None
     if spec.arm in QERL_ARMS or spec.size in BF16_MAX_SIZE:
         return None
     why = ("and TRL colocate would hold the BF16 policy (61 GiB) plus vLLM's BF16 copy: more than 80 GB"
@@ -433,7 +455,7 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
                                vllm_gpu_memory_utilization=vllm_memory_utilization(spec.size, card_gib))
     if card_gib is not None:
         row["card_gib"] = card_gib
-    if why := unrunnable(spec):
+    if why := unrunnable(spec, card_gib):
         row["status"] = why
         return row
     t0 = time.perf_counter()
@@ -530,7 +552,7 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
     for s in specs:
         by_size.setdefault(s.size, []).append(s)
     for size, group in by_size.items():
-        need_bf16 = size in BF16_MAX_SIZE and any(s.arm not in QERL_ARMS for s in group)
+        need_bf16 = size in MOE_SIZES or (size in BF16_MAX_SIZE and any(s.arm not in QERL_ARMS for s in group))
         t0 = time.perf_counter()
         prep = subprocess.run([sys.executable, __file__, "--prepare", size, "--work", work]
                               + (["--with-bf16"] if need_bf16 else []), capture_output=True, text=True)
@@ -650,10 +672,6 @@ def main(argv: list[str] | None = None) -> None:
     if a.child:
         _child(RowSpec(**json.loads(a.child)), a.work, a.steps, a.row_out, a.card_gib)
         return
-    moe = sorted(set(a.sizes or ()) & set(MOE_SIZES))
-    if moe:
-        ap.error(f"--sizes {' '.join(moe)}: mixture-of-experts sizes have no GRPO step rows yet (QeRLGRPOTrainer "
-                 "refuses MoE models until issue #54); benchmarks/rollout.py runs their engines")
     specs = select(default_matrix(a.arms or DEFAULT_ARMS), a.sizes, a.arms, a.only)
     if a.list:
         for s in specs:
@@ -724,7 +742,7 @@ def merge(files: list[str], out_dir: str, gpu_tag: str | None, command: str | No
         raise ValueError(f"--row-status names rows outside the matrix: {unknown}; see --list")
     for spec in default_matrix():
         if spec.name not in latest:
-            status = row_status.get(spec.name) or unrunnable(spec) or missing
+            status = row_status.get(spec.name) or unrunnable(spec, card_gib=math.inf) or missing
             kept.append(dict(dataclasses.asdict(spec), prompt_len=PROMPT_TOKENS, lora_r=LORA_R, status=status))
     rows = sorted(kept, key=lambda r: (order.get(row_name(r), 10**6), r.get("run") or ""))
     add_speedups(rows)

@@ -205,3 +205,34 @@ def test_an_arm_at_its_own_micro_batch_without_checkpointing_trains(tiny, tmp_pa
     assert not trainer.args.gradient_checkpointing
     row = e2e.run_row(spec, work, steps=2)
     assert row["micro_batch"] == 4 and row["grad_ckpt"] is False and e2e.row_name(row) == spec.name
+
+
+def test_the_moe_row_trains_qerl_from_bf16_and_records_trl_as_not_run_where_two_bf16_copies_do_not_fit(capsys):
+    """Issue #54's row: Qwen3-30B-A3B at 2 x 8 x 512 with sleep mode. TRL colocate holds two BF16 copies (2 x 57 GiB):
+    not run on an 80 GB card, run on a 141 GB one; QeRL arms always run."""
+    e2e.main(["--sizes", "30b-a3b", "--arms", "trl_bf16", "qerl_single_lora", "--list"])
+    listed = capsys.readouterr().out.split()
+    assert listed == ["30b-a3b/trl_bf16/2x8-512-sleep", "30b-a3b/qerl_single_lora/2x8-512-sleep"]
+    trl = e2e.RowSpec("30b-a3b", "trl_bf16", 2, 8, 512, True)
+    assert "not_run: TRL colocate holds the BF16 policy (57 GiB)" in e2e.unrunnable(trl, card_gib=79.2)
+    assert e2e.unrunnable(trl, card_gib=139.8) is None
+    assert e2e.unrunnable(e2e.RowSpec("30b-a3b", "qerl_single_lora", 2, 8, 512, True), card_gib=79.2) is None
+
+
+@pytest.mark.slow
+def test_a_moe_qerl_arm_trains_from_its_bf16_checkpoint(monkeypatch, tmp_path):
+    from benchmarks import random_models as rm
+    from tests.test_random_models import MOE_TINY
+
+    monkeypatch.setitem(e2e.SIZES, "tiny-moe", rm.qwen3_moe_config("qwen3-30b-a3b", **MOE_TINY))
+    monkeypatch.setitem(e2e.GPU_MEMORY_UTILIZATION, "tiny-moe", 0.3)
+    monkeypatch.setattr(e2e, "MOE_SIZES", ("tiny-moe",))
+    monkeypatch.setattr(e2e, "PROMPT_TOKENS", 12)
+    work = str(tmp_path)
+    e2e.prepare_checkpoints(work, "tiny-moe", need_bf16=True)
+    spec = e2e.RowSpec("tiny-moe", "qerl_single_lora", prompts=2, generations=4, completion_len=6, sleep=False,
+                       generation="hf")  # fmt: skip
+    trainer = e2e.build_trainer(spec, work, steps=1)
+    assert trainer.args.experimental_moe and trainer.model.name_or_path.endswith("tiny-moe-bf16")
+    row = e2e.run_row(spec, work, steps=2)
+    assert row["status"] == "ok", row["status"]
