@@ -38,8 +38,8 @@ Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the
 Checkpoints are written once per machine under ``--work``: BF16 with ``from_config`` on the GPU (7B, 14B), NVFP4A16
 with random packed weights directly (every size; a 32B BF16 checkpoint, 65 GB, does not fit a 64 GiB disk).
 ``--sizes 30b-a3b`` (Qwen3-30B-A3B, issue #54; not yet run on a GPU): QeRL arms train with ``experimental_moe=True``
-from the BF16 checkpoint (61 GB: a 4-GPU machine's disk), TRL's arm is ``not_run`` on a card smaller than its two
-BF16 copies (``unrunnable``).
+from the NVFP4A16 checkpoint; TRL's arm is ``not_run`` on a card smaller than its two BF16 copies (``unrunnable``),
+and elsewhere needs the BF16 checkpoint (61 GB: a 4-GPU machine's disk).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ ARM_OPTIONS: dict[str, dict[str, Any]] = {"qerl": {"vllm_lora_sync_in_place": Fa
 DEFAULT_ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora")
 SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b",
          "30b-a3b": "qwen3-30b-a3b"}
-#: mixture-of-experts sizes (issue #54): QeRL arms train them with ``experimental_moe=True`` from the BF16
-#: checkpoint (an NVFP4A16 MoE one is not read back yet); their BF16 checkpoint (61 GB) needs a 4-GPU machine's disk
+#: mixture-of-experts sizes (issue #54): QeRL arms train them with ``experimental_moe=True``; TRL's arms need their
+#: BF16 checkpoint (61 GB: a 4-GPU machine's disk), written only where a TRL arm can run (``unrunnable``)
 MOE_SIZES = ("30b-a3b",)
 #: vLLM's share of the GPU, the same for every arm of a size (what a BF16 engine needs for weights + KV cache).
 GPU_MEMORY_UTILIZATION = {"1.5b": 0.3, "7b": 0.35, "14b": 0.55, "32b": 0.45, "30b-a3b": 0.45}
@@ -343,7 +343,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
     from transformers import AutoTokenizer
 
     moe = spec.size in MOE_SIZES
-    tok = AutoTokenizer.from_pretrained(paths["nvfp4"] if spec.arm in QERL_ARMS and not moe else paths["bf16"])
+    tok = AutoTokenizer.from_pretrained(paths["nvfp4"] if spec.arm in QERL_ARMS else paths["bf16"])
     prompts = rm.make_prompts(spec.prompts * (steps + 2), PROMPT_TOKENS, seed=seed, tokenizer=tok)
     dataset = Dataset.from_dict({"prompt": prompts})
     common = dict(
@@ -381,9 +381,8 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
                                  "vllm_lora_backend": QERL_ARMS[spec.arm], **ARM_OPTIONS.get(spec.arm, {}),
                                  "fused_importance_sampling": spec.fused_is, "experimental_moe": moe,
                                  **(overrides or {})})
-        # a MoE trains from its BF16 checkpoint, packed on load (an NVFP4A16 MoE checkpoint is not read back yet)
-        return QeRLGRPOTrainer(model=paths["bf16" if moe else "nvfp4"], reward_funcs=_reward, args=args,
-                               train_dataset=dataset, processing_class=tok)  # fmt: skip
+        return QeRLGRPOTrainer(model=paths["nvfp4"], reward_funcs=_reward, args=args, train_dataset=dataset,
+                               processing_class=tok)
     from trl import GRPOConfig, GRPOTrainer
 
     quant = None
@@ -552,7 +551,8 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
     for s in specs:
         by_size.setdefault(s.size, []).append(s)
     for size, group in by_size.items():
-        need_bf16 = size in MOE_SIZES or (size in BF16_MAX_SIZE and any(s.arm not in QERL_ARMS for s in group))
+        need_bf16 = any(s.arm not in QERL_ARMS for s in group if size in BF16_MAX_SIZE
+                        or (size in MOE_SIZES and unrunnable(s) is None))  # fmt: skip
         t0 = time.perf_counter()
         prep = subprocess.run([sys.executable, __file__, "--prepare", size, "--work", work]
                               + (["--with-bf16"] if need_bf16 else []), capture_output=True, text=True)

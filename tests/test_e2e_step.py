@@ -220,7 +220,7 @@ def test_the_moe_row_trains_qerl_from_bf16_and_records_trl_as_not_run_where_two_
 
 
 @pytest.mark.slow
-def test_a_moe_qerl_arm_trains_from_its_bf16_checkpoint(monkeypatch, tmp_path):
+def test_a_moe_qerl_arm_trains_from_its_nvfp4_checkpoint(monkeypatch, tmp_path):
     from benchmarks import random_models as rm
     from tests.test_random_models import MOE_TINY
 
@@ -229,10 +229,10 @@ def test_a_moe_qerl_arm_trains_from_its_bf16_checkpoint(monkeypatch, tmp_path):
     monkeypatch.setattr(e2e, "MOE_SIZES", ("tiny-moe",))
     monkeypatch.setattr(e2e, "PROMPT_TOKENS", 12)
     work = str(tmp_path)
-    e2e.prepare_checkpoints(work, "tiny-moe", need_bf16=True)
+    e2e.prepare_checkpoints(work, "tiny-moe", need_bf16=False)
     spec = e2e.RowSpec("tiny-moe", "qerl_single_lora", prompts=2, generations=4, completion_len=6, sleep=False,
                        generation="hf")  # fmt: skip
     trainer = e2e.build_trainer(spec, work, steps=1)
-    assert trainer.args.experimental_moe and trainer.model.name_or_path.endswith("tiny-moe-bf16")
+    assert trainer.args.experimental_moe and trainer.model.name_or_path.endswith("tiny-moe-nvfp4")
     row = e2e.run_row(spec, work, steps=2)
     assert row["status"] == "ok", row["status"]

@@ -185,5 +185,13 @@ def test_nvfp4config_quantizer_packs_a_16_bit_moe_checkpoint_on_load_as_quantize
     loaded.save_pretrained(tmp_path / "nvfp4")
     from qerl_trl import load_nvfp4
 
-    with pytest.raises(MoENotSupportedError, match="load the 16-bit checkpoint with NVFP4Config"):
-        load_nvfp4(tmp_path / "nvfp4")
+    # and the NVFP4A16 checkpoint it saved loads back packed, the same tensors and the same logits
+    back = load_nvfp4(tmp_path / "nvfp4", dtype=torch.bfloat16)
+    assert all(isinstance(layer.mlp.experts, NVFP4Experts) for layer in back.model.layers)
+    again = dict(back.named_parameters())
+    assert again.keys() == theirs.keys()
+    for name, p in theirs.items():
+        assert torch.equal(again[name].view(torch.uint8), p.view(torch.uint8)), name
+    ids = torch.arange(5, 30)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, loaded(ids).logits)

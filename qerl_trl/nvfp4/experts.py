@@ -24,7 +24,7 @@ from . import format as nvfp4
 from .linear import ACTIVATION_DTYPES, _NVFP4LinearFn
 from .ops import nvfp4_linear_forward
 
-__all__ = ["NVFP4Experts"]
+__all__ = ["NVFP4Experts", "NVFP4ExpertsCheckpoint"]
 
 #: the packed stacks: (stack, the per-expert checkpoint projections it holds, in row order)
 STACKS = (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",)))
@@ -160,3 +160,36 @@ class NVFP4Experts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden={self.hidden}, width={self.width}, format=nvfp4"
+
+
+class NVFP4ExpertsCheckpoint(nn.Module):
+    """Where an NVFP4A16 MoE checkpoint's experts land while transformers loads it: its per-expert tensors, stacked
+    by the loader's weight conversion (``NVFP4HfQuantizer.update_weight_conversions``), in their checkpoint dtypes,
+    gate's and up's global scales side by side. :meth:`to_experts` then gives the :class:`NVFP4Experts` holding
+    the same tensors (no copy but the global scales)."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, act_fn: Callable[[torch.Tensor], torch.Tensor],
+                 device: torch.device | str | None = "meta") -> None:  # fmt: skip
+        super().__init__()
+        self.num_experts, self.hidden, self.width, self.act_fn = num_experts, hidden, width, act_fn
+        for stack, (rows, cols), shards in (("gate_up", (2 * width, hidden), 2), ("down", (hidden, width), 1)):
+            for suffix, shape, dtype in (("packed", (num_experts, rows, cols // 2), torch.uint8),
+                                         ("scale", (num_experts, rows, cols // nvfp4.BLOCK_SIZE), torch.float8_e4m3fn),
+                                         ("global_scale", (num_experts, shards), torch.float32)):  # fmt: skip
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                setattr(self, f"{stack}_{suffix}", nn.Parameter(tensor, requires_grad=False))
+
+    def to_experts(self, name: str = "experts") -> NVFP4Experts:
+        """The loaded experts as :class:`NVFP4Experts`; gate and up must share each expert's global scale (vLLM
+        serves them as one matrix, and so does this module)."""
+        gate_up_gs = self.gate_up_global_scale.detach()
+        if not torch.equal(gate_up_gs[:, 0], gate_up_gs[:, 1]):
+            raise ValueError(f"{name}: the checkpoint's gate_proj and up_proj global scales differ for some experts; "
+                             "NVFP4 experts need one per expert (as llm-compressor writes them).")  # fmt: skip
+        out = NVFP4Experts(self.num_experts, self.hidden, self.width, self.act_fn, device="meta")
+        for stack, gs in (("gate_up", gate_up_gs[:, 0]), ("down", self.down_global_scale.detach()[:, 0])):
+            typed = (getattr(self, f"{stack}_packed").detach(), getattr(self, f"{stack}_scale").detach(),
+                     gs.contiguous())  # fmt: skip
+            for (suffix, dtype, _), tensor in zip(TENSORS, typed):
+                setattr(out, f"{stack}_{suffix}", nn.Parameter(tensor.view(_BITS[dtype]), requires_grad=False))
+        return out

@@ -7,7 +7,8 @@
 * NVFP4A16 checkpoint (``pre_quantized``): the packed tensors load as they are;
 * a mixture-of-experts model (transformers' fused 3-D expert stacks, Qwen3-MoE's layout) from a 16-bit checkpoint:
   each layer's stack arrives merged from the per-expert tensors and is packed into an ``NVFP4Experts`` there, one
-  layer at a time (an NVFP4A16 MoE checkpoint is refused: its per-expert packed tensors are not read back yet);
+  layer at a time; from an NVFP4A16 checkpoint, its per-expert packed tensors are stacked by the loader's weight
+  conversion (``update_weight_conversions``) into an ``NVFP4ExpertsCheckpoint``, then taken as ``NVFP4Experts``;
 * after loading: freeze the NVFP4 tensors and make ``model.config.quantization_config`` the compressed-tensors
   NVFP4A16 dict, so ``save_pretrained`` writes a checkpoint vLLM serves directly.
 """
@@ -23,7 +24,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
 from ..nvfp4 import NVFP4Linear
-from ..nvfp4.experts import NVFP4Experts
+from ..nvfp4.experts import NVFP4Experts, NVFP4ExpertsCheckpoint
 from . import compat
 from .checkpoint import compressed_tensors_config, packed_modules
 from .config import NVFP4Config
@@ -35,7 +36,7 @@ from .conversion import (
     plan_conversion,
     replace_linears,
 )
-from .moe import ROUTER_IGNORE, MoENotSupportedError, beside_experts, check_expert_layout, fused_experts
+from .moe import ROUTER_IGNORE, beside_experts, check_expert_layout, fused_experts
 
 logger = logging.getLogger(__name__)
 
@@ -126,16 +127,16 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
                 only = {n for n, _ in model.named_modules() if n in only or any(k.endswith("." + n) for k in only)}
         keep_fp32 = getattr(model, "_keep_in_fp32_modules", None)
         experts = fused_experts(model)
-        if experts and self.pre_quantized:
-            raise MoENotSupportedError(
-                f"{type(model).__name__}: loading an NVFP4A16 mixture-of-experts checkpoint is not supported yet (its "
-                "per-expert packed tensors are not read back into NVFP4Experts); load the 16-bit checkpoint with "
-                "NVFP4Config() instead, which quantizes the experts on load."
-            )
         check_expert_layout(model, experts)
         self.experts = set(experts)
         self.plan = beside_experts(model, experts, lambda: plan_conversion(
             model, skip, cfg.fused_groups, only=only, keep_fp32=keep_fp32))
+        if self.pre_quantized:  # the per-expert packed tensors land here, stacked (see update_weight_conversions)
+            for name, module in experts.items():
+                two_width, hidden = module.gate_up_proj.shape[1:]
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child,
+                        NVFP4ExpertsCheckpoint(module.gate_up_proj.shape[0], hidden, two_width // 2, module.act_fn))
         self.group_quantizer = GroupQuantizer(self.plan)
         replace_linears(model, self.plan, self.dtype, placeholder=not self.pre_quantized)
         kept = list(self.plan.kept)
@@ -154,6 +155,31 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
         if module_name in self.experts:
             return tensor_name in ("gate_up_proj", "down_proj")
         return tensor_name == "weight" and module_name in self.plan.groups
+
+    def update_weight_conversions(self, weight_conversions, *args, **kwargs):
+        """An NVFP4A16 MoE checkpoint: the model's own conversion of per-expert 16-bit weights into its fused stacks
+        (``mlp.experts.*.gate_proj.weight`` -> ``mlp.experts.gate_up_proj``) is replaced by the same merge of the
+        packed tensors into :class:`NVFP4ExpertsCheckpoint`. transformers' ``HfQuantizer`` hook: 5.17 passes the
+        conversions, later versions also the model (passed on)."""
+        weight_conversions = super().update_weight_conversions(weight_conversions, *args, **kwargs)
+        if not (self.pre_quantized and self.experts):
+            return weight_conversions
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+        fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+        def targets(w) -> list[str]:  # 5.17 keeps them as given; later versions also as _original_target_patterns
+            found = getattr(w, "_original_target_patterns", None) or getattr(w, "target_patterns", None) or ()
+            return [found] if isinstance(found, str) else list(found)
+
+        kept = [w for w in weight_conversions if not any(t in fused for t in targets(w))]
+        ours = []
+        suffixes = (("weight_packed", "packed"), ("weight_scale", "scale"), ("weight_global_scale", "global_scale"))
+        for key, suffix in suffixes:
+            ours.append(WeightConverter([f"mlp.experts.*.gate_proj.{key}", f"mlp.experts.*.up_proj.{key}"],
+                                        f"mlp.experts.gate_up_{suffix}", [MergeModulelist(dim=0), Concatenate(dim=1)]))
+            ours.append(WeightConverter(f"mlp.experts.*.down_proj.{key}", f"mlp.experts.down_{suffix}",
+                                        [MergeModulelist(dim=0)]))  # fmt: skip
+        return kept + ours
 
     def pack_experts(self, model, key: str, stack: torch.Tensor, missing_keys: set[str] | None) -> None:
         """One layer's merged expert stack (``<experts>.gate_up_proj`` or ``.down_proj``, 16-bit, [experts, out,
@@ -201,6 +227,15 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
             meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
             if meta:
                 raise ValueError(f"NVFP4: {name} was not loaded ({meta} missing from the checkpoint)")
+        if self.pre_quantized:
+            for name in self.experts:
+                loaded = model.get_submodule(name)
+                meta = [n for n, p in loaded.named_parameters() if p.device.type == "meta"]
+                if meta:
+                    raise ValueError(f"NVFP4: {name} was not loaded ({meta} missing from the checkpoint)")
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, loaded.to_experts(name))
+            self.packed_experts = {(m, p) for m in self.experts for p in ("gate_up_proj", "down_proj")}
         unpacked = sorted(f"{m}.{p}" for m in self.experts for p in ("gate_up_proj", "down_proj")
                           if (m, p) not in self.packed_experts)  # fmt: skip
         if unpacked:

@@ -16,8 +16,8 @@ QeRL on a MoE model needs four links; what each version does (read from their co
    (``Qwen3MoeExperts.gate_up_proj`` [experts, 2*moe_intermediate, hidden] and ``down_proj`` [experts, hidden,
    moe_intermediate]), not as ``nn.Linear``. For Qwen3-MoE, ``NVFP4Config`` on a 16-bit checkpoint (each layer's
    stack packed as transformers merges it) and ``quantize_model`` pack them into
-   :class:`~qerl_trl.nvfp4.experts.NVFP4Experts`, saved per expert as vLLM reads them; an NVFP4A16 MoE checkpoint
-   is not read back yet. Holds for the base (CPU-tested).
+   :class:`~qerl_trl.nvfp4.experts.NVFP4Experts`, saved per expert as vLLM reads them, and ``load_nvfp4`` reads such
+   an NVFP4A16 checkpoint back packed. Holds for the base (CPU-tested).
 4. PEFT 0.21.2 reaches those tensors only through ``LoraConfig(target_parameters=[...])``, i.e. ``ParamWrapper``
    (``peft/tuners/lora/layer.py``), which adds ``B @ A`` to the dense parameter through
    ``torch.nn.utils.parametrize`` (``_LoraFactorsProxy`` / ``_LoraParameterProxy``): it needs a dense expert

@@ -97,10 +97,10 @@ class QeRLGRPOConfig(GRPOConfig):
         > Mixture-of-experts policies (experimental)
 
         experimental_moe (`bool`, defaults to `False`):
-            Train a Qwen3-MoE policy given as a 16-bit checkpoint or model: its routed experts in NVFP4
-            (`NVFP4Experts`, packed on load, frozen), its attention in NVFP4 with the LoRA (`"all-linear"` reaches no
-            expert or router), the router 16-bit. CPU-tested only: its vLLM colocate path has not run on a GPU
-            (issue #54); without it a MoE model is refused before anything loads.
+            Train a Qwen3-MoE policy (16-bit or NVFP4A16 checkpoint, or model): its routed experts in NVFP4
+            (`NVFP4Experts`, packed on load or read packed, frozen), its attention in NVFP4 with the LoRA
+            (`"all-linear"` reaches no expert or router), the router 16-bit. CPU-tested only: its vLLM colocate
+            path has not run on a GPU (issue #54); without it a MoE model is refused before anything loads.
 
         > Training pass
 
