@@ -172,10 +172,13 @@ class NVFP4ExpertsCheckpoint(nn.Module):
                  device: torch.device | str | None = "meta") -> None:  # fmt: skip
         super().__init__()
         self.num_experts, self.hidden, self.width, self.act_fn = num_experts, hidden, width, act_fn
+        #: ``{parameter: (shape, dtype)}`` the checkpoint must fill
+        self.expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for stack, (rows, cols), shards in (("gate_up", (2 * width, hidden), 2), ("down", (hidden, width), 1)):
             for suffix, shape, dtype in (("packed", (num_experts, rows, cols // 2), torch.uint8),
                                          ("scale", (num_experts, rows, cols // nvfp4.BLOCK_SIZE), torch.float8_e4m3fn),
                                          ("global_scale", (num_experts, shards), torch.float32)):  # fmt: skip
+                self.expected[f"{stack}_{suffix}"] = (shape, dtype)
                 tensor = torch.empty(shape, dtype=dtype, device=device)
                 setattr(self, f"{stack}_{suffix}", nn.Parameter(tensor, requires_grad=False))
 

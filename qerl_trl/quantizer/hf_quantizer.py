@@ -79,6 +79,24 @@ class NVFP4Quantize(ConversionOps):
         return out
 
 
+class RecordStack(ConversionOps):
+    """The last op of an NVFP4A16 MoE checkpoint's expert merges: records each stack's shape as it arrives. transformers
+    initializes a parameter the checkpoint lacks (or gave with another shape) and only logs it; the quantizer refuses
+    the load after it instead, since random experts would train and serve silently."""
+
+    def __init__(self, hf_quantizer: "NVFP4HfQuantizer") -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def __deepcopy__(self, memo: dict) -> "RecordStack":
+        return self  # transformers copies a converter per target; the records must reach this quantizer
+
+    def convert(self, input_dict: dict[str, Any], source_patterns=None, target_patterns=None, **kwargs):
+        for value in input_dict.values():
+            tensor = value[0] if isinstance(value, list) else value
+            self.hf_quantizer.loaded_stacks[kwargs.get("full_layer_name")] = tuple(tensor.shape)
+        return input_dict
+
+
 class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
     """Lifecycle of :class:`NVFP4Config` inside ``PreTrainedModel.from_pretrained``."""
 
@@ -95,6 +113,8 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
         #: the model's fused expert stacks (``fused_experts``), and the (module, parameter) of each already packed
         self.experts: set[str] = set()
         self.packed_experts: set[tuple[str, str]] = set()
+        #: NVFP4A16 MoE checkpoint: ``{stacked parameter: its shape}`` as the loader merged it (``RecordStack``)
+        self.loaded_stacks: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ before loading
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
@@ -176,9 +196,10 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
         suffixes = (("weight_packed", "packed"), ("weight_scale", "scale"), ("weight_global_scale", "global_scale"))
         for key, suffix in suffixes:
             ours.append(WeightConverter([f"mlp.experts.*.gate_proj.{key}", f"mlp.experts.*.up_proj.{key}"],
-                                        f"mlp.experts.gate_up_{suffix}", [MergeModulelist(dim=0), Concatenate(dim=1)]))
+                                        f"mlp.experts.gate_up_{suffix}",
+                                        [MergeModulelist(dim=0), Concatenate(dim=1), RecordStack(self)]))
             ours.append(WeightConverter(f"mlp.experts.*.down_proj.{key}", f"mlp.experts.down_{suffix}",
-                                        [MergeModulelist(dim=0)]))  # fmt: skip
+                                        [MergeModulelist(dim=0), RecordStack(self)]))  # fmt: skip
         return kept + ours
 
     def pack_experts(self, model, key: str, stack: torch.Tensor, missing_keys: set[str] | None) -> None:
@@ -221,7 +242,8 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
         #: most 16-bit bytes the fused-group buffer held at once during this load (tests/logs)
         self.max_pending_bytes = self.group_quantizer.max_pending_bytes if self.group_quantizer else 0
         self.group_quantizer = None
-        for name in self.plan.groups:
+        # the placeholders of quantize-on-load, and the stacks an NVFP4A16 MoE checkpoint loaded into, all filled
+        for name in [*self.plan.groups, *(self.experts if self.pre_quantized else ())]:
             module = model.get_submodule(name)
             module._parameters.pop("weight", None)
             meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
@@ -229,18 +251,20 @@ class NVFP4HfQuantizer(compat.HfQuantizerCompat, HfQuantizer):
                 raise ValueError(f"NVFP4: {name} was not loaded ({meta} missing from the checkpoint)")
         if self.pre_quantized:
             for name in self.experts:
-                loaded = model.get_submodule(name)
-                meta = [n for n, p in loaded.named_parameters() if p.device.type == "meta"]
-                if meta:
-                    raise ValueError(f"NVFP4: {name} was not loaded ({meta} missing from the checkpoint)")
+                expected = model.get_submodule(name).expected
+                wrong = [f"{name}.{n}" for n, (shape, _) in expected.items()
+                         if self.loaded_stacks.get(f"{name}.{n}") != shape]  # fmt: skip
+                if wrong:
+                    raise ValueError(f"NVFP4: the checkpoint's experts for {wrong[:3]} are missing or incomplete (some "
+                                     "experts' tensors absent). Is the checkpoint complete?")  # fmt: skip
                 parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, loaded.to_experts(name))
-            self.packed_experts = {(m, p) for m in self.experts for p in ("gate_up_proj", "down_proj")}
-        unpacked = sorted(f"{m}.{p}" for m in self.experts for p in ("gate_up_proj", "down_proj")
-                          if (m, p) not in self.packed_experts)  # fmt: skip
-        if unpacked:
-            raise ValueError(f"NVFP4: the checkpoint did not give {unpacked[:3]} (expert stacks), so they were not "
-                             "packed. Is the checkpoint complete?")  # fmt: skip
+                setattr(model.get_submodule(parent), child, model.get_submodule(name).to_experts(name))
+        else:
+            unpacked = sorted(f"{m}.{p}" for m in self.experts for p in ("gate_up_proj", "down_proj")
+                              if (m, p) not in self.packed_experts)  # fmt: skip
+            if unpacked:
+                raise ValueError(f"NVFP4: the checkpoint did not give {unpacked[:3]} (expert stacks), so they were "
+                                 "not packed. Is the checkpoint complete?")  # fmt: skip
         freeze_nvfp4(model)
         if self.pre_quantized:
             self._warn_unshared_scales(model)
