@@ -544,6 +544,7 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
     tagged with ``run``."""
     from benchmarks._child import run_child
     from benchmarks._common import gpu_uuid
+    from qerl_trl.study.runner import own_rendezvous
 
     uuid = gpu_uuid()
     rows = []
@@ -571,7 +572,7 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
                        "--steps", str(steps), "--row-out", out]
                 if card_gib is not None:
                     cmd += ["--card-gib", str(card_gib)]
-                res = run_child(cmd, timeout)
+                res = run_child(cmd, timeout, env=own_rendezvous(os.environ))  # runs side by side on a host
                 if not res.timed_out and os.path.exists(out):
                     with open(out) as f:
                         row = json.load(f)

@@ -115,15 +115,27 @@ def lora_shapes(config) -> dict[str, tuple[int, int]]:
             "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
 
 
+def lora_targets(config) -> tuple[str, ...]:
+    """The LoRA arms' targets: every linear of a dense model; the attention of a mixture-of-experts one, as the
+    trainer puts it there (``QeRLGRPOConfig(experimental_moe=True)``: its MLP is the experts)."""
+    from qerl_trl.vllm_plugin.fp4_kernel import expert_count
+
+    moe = expert_count(config if isinstance(config, dict) else config.to_dict()) > 0
+    return LORA_TARGETS[:4] if moe else LORA_TARGETS
+
+
 def random_lora(config, r: int, seed: int = 0) -> dict:
-    """``{module name: (A [r, in], B [out, r])}`` on every linear of every layer, random A and B (B non-zero, so the
-    LoRA changes the outputs), named as in vLLM's and transformers' module trees (``model.layers.0.mlp.up_proj``)."""
+    """``{module name: (A [r, in], B [out, r])}`` on every :func:`lora_targets` linear of every layer, random A and B
+    (B non-zero, so the LoRA changes the outputs), named as in vLLM's and transformers' module trees
+    (``model.layers.0.mlp.up_proj``)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     out = {}
+    targets = lora_targets(config)
+    shapes = {k: v for k, v in lora_shapes(config).items() if k in targets}
     for layer in range(config.num_hidden_layers):
-        for module, (fan_in, fan_out) in lora_shapes(config).items():
+        for module, (fan_in, fan_out) in shapes.items():
             part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             a = torch.randn(r, fan_in, generator=gen) / fan_in**0.5
             out[f"model.layers.{layer}.{part}.{module}"] = (a, torch.randn(fan_out, r, generator=gen) * 1e-3)
@@ -141,15 +153,15 @@ def write_random_adapter(path: str, config, r: int, seed: int = 0) -> str:
     for name, (a, b) in random_lora(config, r, seed).items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = a
         tensors[f"base_model.model.{name}.lora_B.weight"] = b
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(LORA_TARGETS), lora_dropout=0.0, bias="none",
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(lora_targets(config)), lora_dropout=0.0, bias="none",
                      task_type="CAUSAL_LM")  # fmt: skip
     write_adapter_dir(path, tensors, cfg)
     return path
 
 
 def qerl_lora_engine_kwargs(checkpoint: str, r: int, kernel: str = "marlin") -> dict:
-    """``LLM(...)`` arguments of the ``nvfp4_qerl_lora`` arm: QeRL's method with a rank-``r`` LoRA on every linear,
-    its base GEMM on ``kernel``."""
+    """``LLM(...)`` arguments of the ``nvfp4_qerl_lora`` arm: QeRL's method with a rank-``r`` LoRA on every
+    :func:`lora_targets` linear, its base GEMM on ``kernel``."""
     from qerl_trl.vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
 
     from qerl_trl.trainer.vllm_serving import compile_cache_marker
@@ -157,7 +169,7 @@ def qerl_lora_engine_kwargs(checkpoint: str, r: int, kernel: str = "marlin") -> 
     register(strict=True)
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    overrides = lora_quantization_overrides(config, r, LORA_TARGETS, kernel)
+    overrides = lora_quantization_overrides(config, r, lora_targets(config), kernel)
     # vLLM's compile cache ignores hf_overrides: the marker keeps another rank from loading these kernels
     return {"quantization": QUANT_NAME, "hf_overrides": overrides, "additional_config": compile_cache_marker([], overrides)}
 
@@ -445,10 +457,13 @@ def main(argv: list[str] | None = None) -> str | None:
     unknown = [s for s in a.sizes if s not in e2e.SIZES]
     if unknown:
         ap.error(f"unknown --sizes {unknown}: one of {list(e2e.SIZES)}")
-    moe_lora = [text for text in a.arms if text.split("@")[0] in LORA_ARMS]
-    if moe_lora and set(a.sizes) & set(e2e.MOE_SIZES):
-        ap.error(f"{moe_lora} on a mixture-of-experts size: the LoRA arms' adapters cover dense decoder linears "
-                 "only (an expert LoRA is issue #54's); run bf16_merged and nvfp4[@kernel] there")
+    whole_humming = [text for text in a.arms if text.endswith("@humming") and not text.startswith("nvfp4_qerl_lora")]
+    if whole_humming and set(a.sizes) & set(e2e.MOE_SIZES):
+        from qerl_trl.vllm_plugin.fp4_kernel import HUMMING_MOE_PROBLEM
+
+        ap.error(f"{whole_humming} on a mixture-of-experts size: these arms serve the whole model with "
+                 f"quantization='humming', and {HUMMING_MOE_PROBLEM}; run them @marlin, or nvfp4_qerl_lora@humming "
+                 "(Humming for the attention, Marlin MoE for the experts)")
     start = time.monotonic()
     run, commit, uuid = new_run_id(), git_commit(), gpu_uuid()
     rows: list[dict] = []

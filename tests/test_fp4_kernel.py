@@ -58,6 +58,25 @@ def test_forcing_humming_fails_early_with_what_to_do():
         choose("cutlass")
 
 
+def test_a_moe_model_keeps_its_experts_off_humming_under_either_backend():
+    """vLLM 0.24's Humming MoE method cannot load NVFP4A16 experts (the GPU suite's ``moe`` part at 517d8d7): the
+    "vllm" backend, which puts the whole model on one kernel, takes Marlin; "qerl" keeps Humming for the attention."""
+    from qerl_trl.vllm_plugin.fp4_kernel import expert_count
+
+    moe = dict(QWEN7B, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, head_dim=128)
+    assert expert_count(moe) == 128 and expert_count({"text_config": {"num_local_experts": 8}}) == 8
+    assert expert_count(QWEN7B) == 0
+    whole = choose(config=moe, per_layer=False)
+    assert whole.kernel == "marlin" and "mixture-of-experts" in whole.reason and "Humming MoE" in whole.reason
+    with pytest.raises(ValueError, match="vllm_lora_backend='qerl'.*Marlin MoE"):
+        choose("humming", per_layer=False, config=moe)
+    per_layer = choose(config=moe)
+    assert per_layer.kernel == "humming" and "experts on vLLM's compressed-tensors MoE method" in per_layer.reason
+    assert per_layer.marlin_modules == ()  # the dense MLP shapes of the config are not the model's: not checked
+    assert choose("humming", config=moe).kernel == "humming"
+    assert choose(config=QWEN7B, per_layer=False).kernel == "humming"  # a dense model as before
+
+
 def test_the_config_refuses_an_unknown_kernel(tmp_path):
     from qerl_trl import QeRLGRPOConfig
 

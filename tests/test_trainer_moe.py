@@ -67,3 +67,22 @@ def test_only_qwen3_moe_passes_the_architecture_check_with_the_option():
     mixtral = AutoConfig.for_model("mixtral", num_local_experts=4)
     with pytest.raises(MoENotSupportedError):
         check_architecture(mixtral, allow_moe=True)
+
+
+def test_whole_model_humming_on_a_moe_is_refused_before_anything_loads():
+    """vLLM 0.24's Humming MoE method cannot load NVFP4A16 experts (the GPU suite's ``moe`` part at 517d8d7): the
+    "vllm" backend with vllm_fp4_kernel='humming' is refused from the config, saying what to set instead."""
+    from types import SimpleNamespace
+
+    from qerl_trl.trainer.policy import check_vllm_layout
+
+    qwen3 = rm.qwen3_moe_config("qwen3-30b-a3b", **{"num_hidden_layers": 1})
+
+    def args(**kw):
+        return SimpleNamespace(**{"use_vllm": True, "vllm_mode": "server", "vllm_lora_backend": "vllm",
+                                  "vllm_fp4_kernel": "humming", **kw})  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"Humming MoE method.*vllm_fp4_kernel='auto'.*vllm_lora_backend='qerl'"):
+        check_vllm_layout(qwen3, args())
+    for ok in (args(vllm_fp4_kernel="auto"), args(vllm_lora_backend="qerl"), args(use_vllm=False)):
+        check_vllm_layout(qwen3, ok)

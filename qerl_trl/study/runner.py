@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ from typing import Any
 
 from .spec import STEP_KEYS, LearningConfig, RunRecords, RunSpec, read_records
 
-__all__ = ["child_env", "run_comparison", "run_one", "run_specs"]
+__all__ = ["child_env", "free_port", "own_rendezvous", "run_comparison", "run_one", "run_specs"]
 
 # ---------------------------------------------------------------------------------------------------- data
 
@@ -305,10 +306,27 @@ _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SI
                    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
-def child_env(parent: Mapping[str, str], threads: int) -> dict[str, str]:
-    """The environment of one run's child process: the parent's, without its distributed rendezvous, with a
-    share of the CPU threads."""
+def free_port() -> int:
+    """A TCP port the OS reports free now (bound to port 0, then released)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def own_rendezvous(parent: Mapping[str, str]) -> dict[str, str]:
+    """``parent`` without its distributed rendezvous, with a port of the child's own. TRL 1.16 picks the first free
+    port of a short list (29500, 23456, 12355, ...) and binds it later: trainers started side by side on one host
+    (e2e runs, test lanes, a wave of runs) picked the same one and failed with EADDRINUSE. An OS-picked port each
+    makes that unlikely."""
     env = {k: v for k, v in parent.items() if k not in _RENDEZVOUS_ENV}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return env
+
+
+def child_env(parent: Mapping[str, str], threads: int) -> dict[str, str]:
+    """The environment of one run's child process: the parent's, with a distributed rendezvous of its own
+    (:func:`own_rendezvous`) and a share of the CPU threads."""
+    env = own_rendezvous(parent)
     env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     return env
 

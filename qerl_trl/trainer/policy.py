@@ -194,7 +194,13 @@ def check_lora_early(lora_config: Any, args: QeRLGRPOConfig) -> None:
 def check_vllm_layout(config: Any, args: QeRLGRPOConfig) -> None:
     """Colocate mode: refuse a ``vllm_tensor_parallel_size`` vLLM cannot shard this model over, or that does not
     divide the number of processes, before any weight loads (vLLM would refuse it only once the engine starts,
-    after the trainer has loaded the model). Server mode: the server's own setting."""
+    after the trainer has loaded the model). Server mode: the server's own setting. Either mode: a MoE model cannot
+    run whole on Humming (``check_humming_for_experts``)."""
+    if args.use_vllm:
+        from ..vllm_plugin.fp4_kernel import check_humming_for_experts
+
+        check_humming_for_experts(args.vllm_fp4_kernel, per_layer=args.vllm_lora_backend == "qerl",
+                                  model_config=config.to_dict())  # fmt: skip
     if args.use_vllm and args.vllm_mode == "colocate":
         from .vllm_serving.parallel_rules import check_tensor_parallel_layout
 

@@ -12,6 +12,10 @@ fits it, and Marlin elsewhere. The trainer logs the choice and its reason once, 
 Where the check can be per layer (``vllm_lora_backend="qerl"``: our quantization method picks each linear's
 kernel), a layer Humming cannot take runs on Marlin and the others on Humming. With ``"vllm"`` (vLLM's
 ``quantization="humming"`` serves the whole model) one such layer sends the whole model to Marlin.
+
+A mixture-of-experts model's experts run on vLLM's compressed-tensors MoE method (Marlin MoE on Hopper) under either
+backend: vLLM 0.24's Humming MoE method cannot load their NVFP4A16 checkpoint (:data:`HUMMING_MOE_PROBLEM`), so with
+``"vllm"`` such a model runs on Marlin, and with ``"qerl"`` its attention linears may still take Humming.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ __all__ = [
     "HUMMING_DIST",
     "HUMMING_K_MULTIPLE",
     "HUMMING_N_MULTIPLE",
+    "HUMMING_MOE_PROBLEM",
     "FP4KernelChoice",
+    "check_humming_for_experts",
     "choose_fp4_kernel",
     "decoder_linear_shapes",
+    "expert_count",
     "humming_cache_dir",
     "humming_missing",
     "humming_shape_problem",
@@ -46,6 +53,13 @@ HUMMING_K_MULTIPLE = 64
 #: compute capabilities where "auto" picks Humming: Hopper. Humming runs from sm_75, but it was measured against
 #: Marlin on Hopper only; Blackwell has native FP4 in vLLM.
 HUMMING_AUTO_MAJORS = (9,)
+#: found on 4 H200s at 517d8d7 (the GPU suite's ``moe`` part, and ``rollout.py --sizes 30b-a3b --arms nvfp4@humming``)
+HUMMING_MOE_PROBLEM = (
+    "vLLM 0.24's Humming MoE method cannot load a compressed-tensors NVFP4A16 checkpoint's experts (its weight loader "
+    "indexes a per-expert global-scale parameter that has no gate/up axis: IndexError)"
+)
+ATTENTION_LINEARS = DECODER_LINEARS[:4]
+EXPERTS_ON_MARLIN = "; the experts on vLLM's compressed-tensors MoE method (Marlin)"
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,15 @@ def humming_shape_problem(out_features: Sequence[int] | int, in_features: int) -
     return None
 
 
+def expert_count(config: Mapping[str, Any]) -> int:
+    """Routed experts per layer of a (possibly multimodal) HF config; 0 for a dense model."""
+    text = config.get("text_config") or config
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if text.get(key):
+            return int(text[key])
+    return 0
+
+
 def decoder_linear_shapes(config: Mapping[str, Any], tp_size: int = 1) -> dict[str, tuple[int, int]]:
     """``{leaf module: (out, in)}`` of a dense decoder layer's linears on one tensor-parallel shard (column-parallel
     q/k/v/gate/up split their outputs, row-parallel o/down their inputs; K/V heads are replicated when there are
@@ -135,6 +158,17 @@ def _shape_misfits(shapes: Mapping[str, tuple[int, int]], modules: Iterable[str]
     return dict(sorted(out.items()))
 
 
+def check_humming_for_experts(requested: str, *, per_layer: bool, model_config: Mapping[str, Any]) -> None:
+    """``vllm_fp4_kernel='humming'`` with ``vllm_lora_backend='vllm'`` on a mixture-of-experts model cannot load
+    (:data:`HUMMING_MOE_PROBLEM`): an error that says what to do, which the trainer raises before any weight loads."""
+    if requested == "humming" and not per_layer and expert_count(model_config) > 0:
+        raise ValueError(
+            "vllm_fp4_kernel='humming' with vllm_lora_backend='vllm' serves the whole model through vLLM's Humming "
+            f"method, and {HUMMING_MOE_PROBLEM}. Set vllm_fp4_kernel='auto' (Marlin here) or "
+            "vllm_lora_backend='qerl' (Humming for the attention, Marlin MoE for the experts)."
+        )
+
+
 def choose_fp4_kernel(
     requested: str,
     *,
@@ -155,18 +189,23 @@ def choose_fp4_kernel(
         raise ValueError(f"vllm_fp4_kernel must be one of {FP4_KERNELS}, got {requested!r}.")
     if requested == "marlin":
         return FP4KernelChoice("marlin", "vllm_fp4_kernel='marlin'")
-    misfits = _shape_misfits(decoder_linear_shapes(model_config, tp_size), quantized_modules)
+    moe = expert_count(model_config) > 0
+    shapes = decoder_linear_shapes(model_config, tp_size)
+    if moe:  # the MLP is the experts, on vLLM's MoE method whatever the linears run on
+        shapes = {k: v for k, v in shapes.items() if k in ATTENTION_LINEARS}
+    misfits = _shape_misfits(shapes, quantized_modules)
     misfit_text = ", ".join(f"{k}: {v}" for k, v in misfits.items())
     if requested == "humming":
         if humming_version is None:
             raise humming_missing()
+        check_humming_for_experts(requested, per_layer=per_layer, model_config=model_config)
         if misfits and not per_layer:
             raise ValueError(
                 f"vllm_fp4_kernel='humming' with vllm_lora_backend='vllm' serves the whole model on Humming, which "
                 f"cannot take this model's layers ({misfit_text}). Set vllm_fp4_kernel='auto' (Marlin here) or "
                 "vllm_lora_backend='qerl' (Marlin for those layers only)."
             )
-        reason = "vllm_fp4_kernel='humming'"
+        reason = "vllm_fp4_kernel='humming'" + (EXPERTS_ON_MARLIN if moe else "")
         if misfits:
             return FP4KernelChoice("humming", f"{reason}; on Marlin by shape: {misfit_text}", tuple(misfits))
         return FP4KernelChoice("humming", reason)
@@ -178,10 +217,15 @@ def choose_fp4_kernel(
     if capability[0] not in HUMMING_AUTO_MAJORS:
         return FP4KernelChoice("marlin", f"auto: the GPU is sm_{capability[0]}{capability[1]}, Humming is picked on "
                                          "Hopper (sm_90) only")  # fmt: skip
+    if moe and not per_layer:
+        return FP4KernelChoice("marlin", "auto: a mixture-of-experts model, and vllm_lora_backend='vllm' serves the "
+                                         f"model on one kernel; {HUMMING_MOE_PROBLEM}")  # fmt: skip
     if misfits and not per_layer:
         return FP4KernelChoice("marlin", f"auto: Humming cannot take every layer ({misfit_text}) and "
                                          "vllm_lora_backend='vllm' serves the model on one kernel")  # fmt: skip
     reason = f"auto: Hopper sm_{capability[0]}{capability[1]}, {HUMMING_DIST} {humming_version}"
+    if moe:
+        reason += EXPERTS_ON_MARLIN
     if misfits:
         return FP4KernelChoice("humming", f"{reason}; on Marlin by shape: {misfit_text}", tuple(misfits))
     return FP4KernelChoice("humming", reason)
