@@ -194,16 +194,27 @@ def engine_source(spec: EngineSpec, work: str) -> tuple[str, dict, str]:
 def expert_kernels_of(model) -> dict[str, int]:
     """``{expert method (its experts class): layers}`` of a vLLM model's fused-MoE layers, {} for a dense model: the
     NVFP4 experts' kernel as vLLM 0.24 chose it (``CompressedTensorsW4A4Nvfp4MoEMethod`` and its ``experts_cls``,
-    e.g. ``MarlinExperts``, or ``HummingMoEMethod``); ``fp4_kernels_of`` names the linear layers'."""
+    e.g. ``MarlinExperts``, or ``HummingMoEMethod``); ``fp4_kernels_of`` names the linear layers'. Under vLLM's
+    LoRA the layer is wrapped (``FusedMoEWithLoRA``, whose ``quant_method`` is its base layer's) and the method too
+    (``FusedMoEModularMethod`` around the original, named ``FusedMoEModularMethod(<original>)``): a method is
+    counted once."""
     from collections import Counter
 
+    def name(method) -> str:
+        inner = getattr(method, "old_quant_method", None)
+        if inner is not None:
+            return f"{type(method).__name__}({name(inner)})"
+        experts = getattr(method, "experts_cls", None)
+        return type(method).__name__ + (f" ({experts.__name__})" if experts is not None else "")
+
     out: Counter = Counter()
+    seen: set[int] = set()
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if method is None or not hasattr(module, "moe_config"):
+        if method is None or not hasattr(module, "moe_config") or id(method) in seen:
             continue
-        experts = getattr(method, "experts_cls", None)
-        out[type(method).__name__ + (f" ({experts.__name__})" if experts is not None else "")] += 1
+        seen.add(id(method))
+        out[name(method)] += 1
     return dict(out)
 
 

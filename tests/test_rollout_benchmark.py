@@ -338,8 +338,22 @@ def test_expert_kernels_name_each_fused_moe_method_and_its_experts_class():
         layer.moe_config, layer.quant_method = object(), method
         return layer
 
+    class FusedMoEModularMethod:  # vLLM's LoRA wraps the layer's method (vLLM 0.24)
+        def __init__(self, old):
+            self.old_quant_method = old
+
+    def with_lora(method):  # FusedMoEWithLoRA: its quant_method is its base layer's, which it holds
+        wrapper = moe(method)
+        wrapper.base_layer = moe(method)
+        return wrapper
+
     model = torch.nn.ModuleList([moe(CompressedTensorsW4A4Nvfp4MoEMethod()), moe(CompressedTensorsW4A4Nvfp4MoEMethod()),
                                  moe(HummingMoEMethod()), torch.nn.Linear(2, 2)])  # fmt: skip
     assert rollout.expert_kernels_of(model) == {"CompressedTensorsW4A4Nvfp4MoEMethod (MarlinExperts)": 2,
                                                 "HummingMoEMethod": 1}  # fmt: skip
+    lora = torch.nn.ModuleList([with_lora(FusedMoEModularMethod(CompressedTensorsW4A4Nvfp4MoEMethod()))
+                                for _ in range(3)])  # fmt: skip
+    # seen on an H100 at 67aeaf2: {'FusedMoEModularMethod': 16} for 8 layers
+    assert rollout.expert_kernels_of(lora) == {
+        "FusedMoEModularMethod(CompressedTensorsW4A4Nvfp4MoEMethod (MarlinExperts))": 3}
     assert rollout.expert_kernels_of(torch.nn.Linear(2, 2)) == {}
