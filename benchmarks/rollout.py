@@ -118,10 +118,9 @@ def lora_shapes(config) -> dict[str, tuple[int, int]]:
 def lora_targets(config) -> tuple[str, ...]:
     """The LoRA arms' targets: every linear of a dense model; the attention of a mixture-of-experts one, as the
     trainer puts it there (``QeRLGRPOConfig(experimental_moe=True)``: its MLP is the experts)."""
-    from qerl_trl.vllm_plugin.fp4_kernel import expert_count
+    from qerl_trl.quantizer.moe import moe_expert_count
 
-    moe = expert_count(config if isinstance(config, dict) else config.to_dict()) > 0
-    return LORA_TARGETS[:4] if moe else LORA_TARGETS
+    return LORA_TARGETS[:4] if moe_expert_count(config) else LORA_TARGETS
 
 
 def random_lora(config, r: int, seed: int = 0) -> dict:

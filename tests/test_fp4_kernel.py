@@ -61,7 +61,7 @@ def test_forcing_humming_fails_early_with_what_to_do():
 def test_a_moe_model_keeps_its_experts_off_humming_under_either_backend():
     """vLLM 0.24's Humming MoE method cannot load NVFP4A16 experts (the GPU suite's ``moe`` part at 517d8d7): the
     "vllm" backend, which puts the whole model on one kernel, takes Marlin; "qerl" keeps Humming for the attention."""
-    from qerl_trl.vllm_plugin.fp4_kernel import expert_count
+    from qerl_trl.quantizer.moe import moe_expert_count as expert_count
 
     moe = dict(QWEN7B, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, head_dim=128)
     assert expert_count(moe) == 128 and expert_count({"text_config": {"num_local_experts": 8}}) == 8

@@ -86,3 +86,33 @@ def test_whole_model_humming_on_a_moe_is_refused_before_anything_loads():
         check_vllm_layout(qwen3, args())
     for ok in (args(vllm_fp4_kernel="auto"), args(vllm_lora_backend="qerl"), args(use_vllm=False)):
         check_vllm_layout(qwen3, ok)
+
+
+def test_lora_targets_off_the_attention_of_a_moe_are_refused_before_anything_loads(moe_checkpoint, tmp_path,
+                                                                                    monkeypatch):  # fmt: skip
+    """PEFT would skip an expert name quietly (the experts are not Linears): the user would train less than asked."""
+    from peft import LoraConfig
+
+    from qerl_trl.quantizer import hf_quantizer
+    from qerl_trl.trainer.policy import check_moe_lora
+
+    qwen3 = rm.qwen3_moe_config("qwen3-30b-a3b", **{"num_hidden_layers": 1})
+    for ok in (["q_proj", "v_proj"], "all-linear", r".*self_attn\.(q|v)_proj"):
+        check_moe_lora(qwen3, LoraConfig(target_modules=ok))
+    check_moe_lora(rm.qwen25_config("qwen2.5-7b"), LoraConfig(target_modules=["q_proj", "gate_proj"]))  # dense: as before
+    for bad, said in ((["q_proj", "gate_proj"], r"target_modules \['gate_proj'\]"),
+                      (r".*mlp.*", r"matches model.layers.0.mlp.gate"),
+                      (None, r"target_parameters=\['mlp.experts.gate_up_proj'\]")):  # fmt: skip
+        lora = LoraConfig(target_modules=bad, target_parameters=["mlp.experts.gate_up_proj"] if bad is None else None)
+        with pytest.raises(ValueError, match=said):
+            check_moe_lora(qwen3, lora)
+
+    def no_load(*a, **kw):
+        raise AssertionError("a weight loaded before the refusal")
+
+    monkeypatch.setattr(hf_quantizer.NVFP4HfQuantizer, "__init__", no_load)
+    with pytest.raises(ValueError, match="attention projections"):
+        QeRLGRPOTrainer(model=moe_checkpoint, reward_funcs=token_sum_reward,
+                        args=config(tmp_path, experimental_moe=True), train_dataset=dataset(),
+                        processing_class=make_tokenizer(),
+                        peft_config=LoraConfig(target_modules=["q_proj", "down_proj"]))  # fmt: skip

@@ -28,7 +28,7 @@ QeRL on a MoE model needs four links; what each version does (read from their co
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from torch import nn
@@ -58,10 +58,16 @@ class MoENotSupportedError(NotImplementedError):
 
 
 def moe_expert_count(config: Any) -> int:
-    """Number of routed experts a (text) config declares; 0 for a dense model."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    """Number of routed experts a (text) config declares, as a config object or a ``config.json`` dict; 0 for a
+    dense model."""
+    if isinstance(config, Mapping):
+        text = config.get("text_config") or config
+        get = text.get
+    else:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        get = lambda attr: getattr(text, attr, None)  # noqa: E731
     for attr in _EXPERT_COUNT_ATTRS:
-        n = getattr(text, attr, None)
+        n = get(attr)
         if isinstance(n, int) and n > 1:
             return n
     return 0

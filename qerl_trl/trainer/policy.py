@@ -96,7 +96,9 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
         base = model.get_base_model()
         check_architecture(base.config, type(base).__name__, args.experimental_moe)
         check_vllm_layout(base.config, args)
-        check_lora_early(check_peft_model(model)[1], args)
+        own_lora = check_peft_model(model)[1]
+        check_lora_early(own_lora, args)
+        check_moe_lora(base.config, own_lora)
         split = split_peft_model(model)
         model, peft_config = split.base, split.lora_config
     else:
@@ -108,11 +110,12 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
         from transformers.trainer_utils import set_seed
 
         set_seed(args.seed)
-        model, source_is_nvfp4 = load_nvfp4_model(model, args)
+        model, source_is_nvfp4 = load_nvfp4_model(model, args, peft_config)
     else:
         base = _base_model(model)
         check_architecture(base.config, type(base).__name__, args.experimental_moe)
         check_vllm_layout(base.config, args)
+        check_moe_lora(base.config, peft_config)
         if not has_nvfp4(model):
             quantize_instance(model, args.nvfp4_modules_to_not_convert, args.experimental_moe)
     if split is None:
@@ -156,6 +159,47 @@ def attention_lora_for_moe(lora_config: Any, model: nn.Module) -> Any:
 
 
 # -- the checks ---------------------------------------------------------------------------------------------------
+
+
+#: module names of one MoE decoder layer (and the model's ends) a LoRA target must not reach: a regex target is
+#: matched against them as PEFT matches names (``re.fullmatch``)
+_MOE_NON_ATTENTION_NAMES = (
+    "model.layers.0.mlp.gate", "model.layers.0.mlp.experts", "model.layers.0.mlp.gate_proj",
+    "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj", "model.layers.0.mlp.shared_expert.gate_proj",
+    "model.layers.0.mlp.shared_expert_gate", "model.embed_tokens", "lm_head",
+)
+
+
+def check_moe_lora(config: Any, lora_config: Any) -> None:
+    """A MoE policy's LoRA goes on its attention projections (q/k/v/o_proj, or "all-linear", which means them
+    there). Refuse, before any weight loads, targets on the packed experts, the router or elsewhere: no LoRA layer
+    over packed NVFP4 experts exists yet (issue #54), and PEFT would skip such a name quietly (the experts are not
+    Linears) or put ``target_parameters`` on the dense expert tensors the packed base does not keep."""
+    import re
+
+    from ..quantizer.moe import moe_expert_count
+
+    if lora_config is None or not moe_expert_count(config):
+        return
+    bad = []
+    params = getattr(lora_config, "target_parameters", None)
+    if params:
+        bad.append(f"target_parameters={list(params)}")
+    targets = lora_config.target_modules
+    if isinstance(targets, str):
+        hits = [n for n in _MOE_NON_ATTENTION_NAMES if re.fullmatch(targets, n)] if targets != "all-linear" else []
+        if hits:
+            bad.append(f"target_modules={targets!r} (matches {hits[0]})")
+    else:
+        extra = sorted(set(targets or ()) - set(MOE_ATTENTION_LORA_TARGETS))
+        if extra:
+            bad.append(f"target_modules {extra}")
+    if bad:
+        raise ValueError(
+            f"On a mixture-of-experts policy the LoRA goes on the attention projections {MOE_ATTENTION_LORA_TARGETS}"
+            f" only (a LoRA on the NVFP4 experts or the router is not built yet); got {'; '.join(bad)}. Use "
+            "target_modules='all-linear' (the attention there) or a subset of those four."
+        )
 
 
 def check_architecture(config: Any, model_class_name: str | None = None, allow_moe: bool = False) -> str:
@@ -226,7 +270,7 @@ def load_device_map(state: Any, requested: Any = None) -> Any:
     return requested
 
 
-def load_nvfp4_model(model_id: str, args: QeRLGRPOConfig) -> tuple[PreTrainedModel, bool]:
+def load_nvfp4_model(model_id: str, args: QeRLGRPOConfig, lora_config: Any = None) -> tuple[PreTrainedModel, bool]:
     """Load ``model_id`` with its Linears as NVFP4Linear (its config checked first); return
     ``(model, checkpoint_is_nvfp4a16)``."""
     from ..quantizer import NVFP4Config, load_nvfp4
@@ -240,6 +284,7 @@ def load_nvfp4_model(model_id: str, args: QeRLGRPOConfig) -> tuple[PreTrainedMod
     )
     check_architecture(config, allow_moe=args.experimental_moe)
     check_vllm_layout(config, args)
+    check_moe_lora(config, lora_config)
     qc = getattr(config, "quantization_config", None)
     qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
     is_nvfp4 = is_nvfp4a16_config({"quantization_config": qc})

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from ..quantizer.moe import moe_expert_count
+
 __all__ = [
     "DECODER_LINEARS",
     "FP4_KERNELS",
@@ -36,7 +38,6 @@ __all__ = [
     "check_humming_for_experts",
     "choose_fp4_kernel",
     "decoder_linear_shapes",
-    "expert_count",
     "humming_cache_dir",
     "humming_missing",
     "humming_shape_problem",
@@ -114,15 +115,6 @@ def humming_shape_problem(out_features: Sequence[int] | int, in_features: int) -
     return None
 
 
-def expert_count(config: Mapping[str, Any]) -> int:
-    """Routed experts per layer of a (possibly multimodal) HF config; 0 for a dense model."""
-    text = config.get("text_config") or config
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if text.get(key):
-            return int(text[key])
-    return 0
-
-
 def decoder_linear_shapes(config: Mapping[str, Any], tp_size: int = 1) -> dict[str, tuple[int, int]]:
     """``{leaf module: (out, in)}`` of a dense decoder layer's linears on one tensor-parallel shard (column-parallel
     q/k/v/gate/up split their outputs, row-parallel o/down their inputs; K/V heads are replicated when there are
@@ -161,7 +153,7 @@ def _shape_misfits(shapes: Mapping[str, tuple[int, int]], modules: Iterable[str]
 def check_humming_for_experts(requested: str, *, per_layer: bool, model_config: Mapping[str, Any]) -> None:
     """``vllm_fp4_kernel='humming'`` with ``vllm_lora_backend='vllm'`` on a mixture-of-experts model cannot load
     (:data:`HUMMING_MOE_PROBLEM`): an error that says what to do, which the trainer raises before any weight loads."""
-    if requested == "humming" and not per_layer and expert_count(model_config) > 0:
+    if requested == "humming" and not per_layer and moe_expert_count(model_config) > 0:
         raise ValueError(
             "vllm_fp4_kernel='humming' with vllm_lora_backend='vllm' serves the whole model through vLLM's Humming "
             f"method, and {HUMMING_MOE_PROBLEM}. Set vllm_fp4_kernel='auto' (Marlin here) or "
@@ -189,7 +181,7 @@ def choose_fp4_kernel(
         raise ValueError(f"vllm_fp4_kernel must be one of {FP4_KERNELS}, got {requested!r}.")
     if requested == "marlin":
         return FP4KernelChoice("marlin", "vllm_fp4_kernel='marlin'")
-    moe = expert_count(model_config) > 0
+    moe = moe_expert_count(model_config) > 0
     shapes = decoder_linear_shapes(model_config, tp_size)
     if moe:  # the MLP is the experts, on vLLM's MoE method whatever the linears run on
         shapes = {k: v for k, v in shapes.items() if k in ATTENTION_LINEARS}
