@@ -70,6 +70,26 @@ def test_experts_compute_transformers_expert_pass_on_the_dequantized_weights_for
     assert ((y.detach() - y_bf16).norm() / y_bf16.norm()).item() < 0.2
 
 
+def test_routing_that_leaves_experts_idle_or_sends_every_token_to_one():
+    """The tokens are sorted by expert into slices: idle experts, one expert taking every slot, and a token routed
+    twice to one expert still give transformers' pass."""
+    original = tiny_moe(seed=2).model.layers[0].mlp.experts
+    packed = NVFP4Experts.from_experts(original)
+    ref = dense_reference(packed, original)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=gen)
+    for idx in (torch.full((5, 1), 2), torch.tensor([[1, 1], [1, 3], [3, 1], [1, 1], [3, 3]])):
+        w = torch.rand(idx.shape, generator=gen)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        wa, wb = w.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y, y_ref = packed(xa, idx, wa), ref(xb, idx, wb)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+        y.sum().backward()
+        y_ref.sum().backward()
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_gate_and_up_share_each_experts_global_scale_and_dtypes_survive_a_cast():
     original = tiny_moe().model.layers[1].mlp.experts
     packed = NVFP4Experts.from_experts(original)

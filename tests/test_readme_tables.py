@@ -190,3 +190,40 @@ def test_the_fused_pass_table_is_the_json_rows():
         assert _close(rollout, row["rollout_s"]) and _close(sync, row["sync_s"]) and _close(rest, row["train_s"])
         assert _close(NUMBER.findall(cells[4])[0], row["peak_gib"])
     assert len(body) == 2
+
+
+def test_the_fused_pass_beside_trl_table_is_the_json_rows():
+    ((before, header, body),) = _tables("| arm (7B, 8 × 8 × 512, sleep mode) |")
+    assert header[1:] == ["run (commit)", "step", "rollout / sync / training pass", "peak", "TRL ÷ this"]
+    rows = _rows("e2e_step-h200.json")
+    arms = {"TRL BF16 LoRA": ("trl_bf16", False), "QeRL, fused pass off": ("qerl_single_lora", False),
+            "QeRL, fused pass on": ("qerl_single_lora", True)}  # fmt: skip
+    for cells in body:
+        run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
+        arm, fused = arms[cells[0]]
+        (row,) = [r for r in rows if r.get("run") == run and r["arm"] == arm and bool(r.get("fused_is")) == fused]
+        assert row["status"] == "ok" and row["commit"].startswith(commit) and row["sleep"] and row["prompts"] == 8
+        step, low, high = NUMBER.findall(cells[2])
+        assert _close(step, row["step_s"]) and _close(low, row["step_s_min"]) and _close(high, row["step_s_max"])
+        rollout, sync, rest = NUMBER.findall(cells[3])
+        assert _close(rollout, row["rollout_s"]) and _close(sync, row["sync_s"]) and _close(rest, row["train_s"])
+        assert _close(NUMBER.findall(cells[4])[0], row["peak_gib"])
+        assert _close(NUMBER.findall(cells[5])[0], row["speedup_vs_trl_bf16"])
+    assert len(body) == 3
+
+
+def test_the_moe_rollout_table_is_the_json_rows():
+    ((before, header, body),) = _tables("| 30B-A3B, batch |")
+    assert header == ["30B-A3B, batch", "merged BF16", "NVFP4 (Marlin MoE)"]
+    run = RUN.findall(before.rstrip().split("\n\n")[-1])[0]
+    rows = {(r["arm"], r["batch"]): r for r in _rows("rollout-h200.json")
+            if r["size"] == "30b-a3b" and r.get("run") == run and r.get("kernel") in (None, "marlin")}  # fmt: skip
+    for cells in body:
+        batch = int(cells[0])
+        bf16, fp4 = rows[("bf16_merged", batch)], rows[("nvfp4", batch)]
+        assert bf16["status"] == fp4["status"] == "ok"
+        assert _close(cells[1], bf16["tokens_per_s"])
+        tps, ratio = NUMBER.findall(cells[2])
+        assert _close(tps, fp4["tokens_per_s"]) and _close(ratio, fp4["vs_bf16_merged"])
+        assert fp4["expert_kernels"] == {"CompressedTensorsW4A4Nvfp4MoEMethod (MarlinExperts)": 48}
+    assert len(body) == 3

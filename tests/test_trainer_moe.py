@@ -1,6 +1,6 @@
 """``QeRLGRPOConfig(experimental_moe=True)``: a Qwen3-MoE policy trains on the CPU (use_vllm=False) with its experts
 in NVFP4 and the LoRA on the attention; without the option a MoE model is refused before anything loads, naming it.
-The vLLM colocate path of a MoE policy has not run on a GPU (issue #54)."""
+Its vLLM colocate path is the GPU suite's ``moe`` part (issue #54)."""
 
 from __future__ import annotations
 

@@ -46,10 +46,11 @@ MOE_MISSING = (
     "MarlinExperts backend) with a LoRA (FusedMoEWithLoRA), and qerl_trl packs Qwen3-MoE's experts, which "
     "transformers 5.17 stores as fused 3-D parameters ({example}), into NVFP4 (NVFP4Config on a 16-bit checkpoint, "
     "or quantize_model), but two parts are missing: (1) the trainer's path for them (vLLM colocate serving the NVFP4 "
-    "experts, AQN and the rollout checks) has not run on a GPU; (2) PEFT 0.21 puts LoRA on expert parameters only "
+    "experts, AQN and the rollout checks) has passed on a GPU only on a small Qwen3-MoE with the default 'qerl' LoRA "
+    "backend, and no full-size step is measured, hence an option; (2) PEFT 0.21 puts LoRA on expert parameters only "
     "through target_parameters (peft.tuners.lora.layer.ParamWrapper), which adds B@A to the dense expert tensor, "
     "which a packed NVFP4 base does not keep. Use a dense model (Llama, Qwen2, Qwen3, Mistral families), or, for "
-    "Qwen3-MoE, QeRLGRPOConfig(experimental_moe=True): experts in NVFP4, LoRA on the attention, CPU-tested only."
+    "Qwen3-MoE, QeRLGRPOConfig(experimental_moe=True): experts in NVFP4, LoRA on the attention."
 )
 
 

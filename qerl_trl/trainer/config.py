@@ -99,8 +99,10 @@ class QeRLGRPOConfig(GRPOConfig):
         experimental_moe (`bool`, defaults to `False`):
             Train a Qwen3-MoE policy (16-bit or NVFP4A16 checkpoint, or model): its routed experts in NVFP4
             (`NVFP4Experts`, packed on load or read packed, frozen), its attention in NVFP4 with the LoRA
-            (`"all-linear"` reaches no expert or router), the router 16-bit. CPU-tested only: its vLLM colocate
-            path has not run on a GPU (issue #54); without it a MoE model is refused before anything loads.
+            (`"all-linear"` reaches no expert or router; other targets off the attention are refused), the router
+            16-bit. Its vLLM colocate path passed the GPU suite's checks on a small Qwen3-MoE with the `"qerl"`
+            backend; no full-size step is measured yet (issue #54). Without it a MoE model is refused before
+            anything loads.
 
         > Training pass
 
@@ -206,7 +208,7 @@ class QeRLGRPOConfig(GRPOConfig):
 
     experimental_moe: bool = field(
         default=False,
-        metadata={"help": "Train a Qwen3-MoE policy (experts in NVFP4, LoRA on the attention); CPU-tested only."},
+        metadata={"help": "Train a Qwen3-MoE policy (experts in NVFP4, LoRA on the attention); experimental."},
     )
     fused_importance_sampling: bool = field(
         default=False,
