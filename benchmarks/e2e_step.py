@@ -561,7 +561,7 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
         if prep.returncode:
             print(prep.stdout[-2000:], prep.stderr[-4000:], flush=True)
         for spec in group:
-            out = os.path.join(work, "row.json")
+            out = os.path.join(work, f"row-{run}.json")  # runs side by side may share --work
             if os.path.exists(out):
                 os.remove(out)
             t0 = time.perf_counter()
