@@ -161,3 +161,18 @@ def test_off_policy_or_uncorrected_rounds_are_refused_before_any_model_loads(tmp
     ok = QeRLGRPOConfig(**{**base, "gradient_accumulation_steps": 4, "steps_per_generation": 2})
     assert ok.fused_importance_sampling
     assert QeRLGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).fused_importance_sampling is False
+
+
+def test_none_takes_the_fused_pass_where_the_rounds_allow_it_and_trls_forward_elsewhere(tmp_path):
+    from qerl_trl.trainer.fused_importance import fused_importance_enabled
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, per_device_train_batch_size=4,
+                num_generations=4)  # fmt: skip
+    auto = dict(base, fused_importance_sampling=None)
+    assert fused_importance_enabled(QeRLGRPOConfig(**auto))
+    for settings in (dict(num_iterations=2), dict(use_vllm=False), dict(vllm_importance_sampling_correction=False),
+                     dict(gradient_accumulation_steps=3, steps_per_generation=2)):  # fmt: skip
+        args = QeRLGRPOConfig(**{**auto, **settings})  # not refused: TRL's forward runs instead
+        assert not fused_importance_enabled(args), settings
+    assert fused_importance_enabled(QeRLGRPOConfig(**base, fused_importance_sampling=True))
+    assert not fused_importance_enabled(QeRLGRPOConfig(**base))

@@ -106,13 +106,15 @@ class QeRLGRPOConfig(GRPOConfig):
 
         > Training pass
 
-        fused_importance_sampling (`bool`, defaults to `False`):
+        fused_importance_sampling (`bool` or `None`, defaults to `False`):
             Take the trainer's log-probs of vLLM's importance-sampling ratio from each micro-batch's training
             forward, instead of the separate no-grad forward over the whole round that TRL runs for them: one
             forward fewer a step, the same ratio and loss. On-policy rounds only (`num_iterations=1`,
-            `gradient_accumulation_steps` a multiple of `steps_per_generation`); anything else is refused. TRL's
+            `gradient_accumulation_steps` a multiple of `steps_per_generation`): with `True` anything else is
+            refused; with `None` the fused pass runs where the rounds allow it and TRL's forward elsewhere. TRL's
             `sampling/*` metrics are then logged per micro-batch, and the rollout guard judges a round when the next
-            one starts. Off until measured end to end (docs/benchmarks.md).
+            one starts. 1.18x the step at 7B 8x8x512 with sleep mode on an H200 (docs/benchmarks.md); off by
+            default until the GPU suite has run with it on.
 
     > [!NOTE]
     > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
@@ -210,10 +212,11 @@ class QeRLGRPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "Train a Qwen3-MoE policy (experts in NVFP4, LoRA on the attention); experimental."},
     )
-    fused_importance_sampling: bool = field(
+    fused_importance_sampling: bool | None = field(
         default=False,
         metadata={"help": "Build vLLM's importance-sampling ratio from each micro-batch's training forward instead of "
-                  "a separate forward over the round (one forward fewer a step; on-policy rounds only)."},
+                  "a separate forward over the round (one forward fewer a step; on-policy rounds only; None: where "
+                  "the rounds allow it)."},
     )
 
     def __post_init__(self):

@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "IS_MODES",
+    "fused_importance_enabled",
     "fused_importance_problem",
     "importance_sampling_metrics",
     "importance_sampling_ratio",
@@ -49,6 +50,14 @@ def fused_importance_problem(args: Any) -> str | None:
     if args.vllm_importance_sampling_mode not in IS_MODES:
         return f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {args.vllm_importance_sampling_mode!r}"
     return None
+
+
+def fused_importance_enabled(args: Any) -> bool:
+    """Whether a run takes the fused pass: ``fused_importance_sampling=True`` (the config refused it where it cannot
+    run), or None ("where the rounds allow it": on-policy rounds with vLLM's correction on, TRL's separate forward
+    elsewhere, so a run that cannot take it still trains as TRL does)."""
+    setting = getattr(args, "fused_importance_sampling", False)
+    return bool(setting) or (setting is None and fused_importance_problem(args) is None)
 
 
 def importance_sampling_ratio(

@@ -31,7 +31,12 @@ from trl import GRPOTrainer
 from .checkpoint_check import resolve_resume_checkpoint
 from .config import QeRLGRPOConfig
 from .dataset_check import check_train_dataset
-from .fused_importance import importance_sampling_metrics, importance_sampling_ratio
+from .fused_importance import (
+    fused_importance_enabled,
+    fused_importance_problem,
+    importance_sampling_metrics,
+    importance_sampling_ratio,
+)
 from .policy import prepare_policy, server_checkpoint_hint, vllm_checkpoint
 from .reward_watch import DegenerateRewardWatch
 from .rollout_guard import RoundGap
@@ -176,7 +181,10 @@ class QeRLGRPOTrainer(GRPOTrainer):
             else None
         )
 
-        self._fused_is = bool(args.fused_importance_sampling)  # the config refused it where rounds are off-policy
+        self._fused_is = fused_importance_enabled(args)  # True was refused by the config where it cannot run
+        if args.fused_importance_sampling is None:
+            logger.info("fused_importance_sampling=None: %s", "the fused pass" if self._fused_is else
+                        f"TRL's separate forward ({fused_importance_problem(args)})")  # fmt: skip
         exclude_nvfp4_base_from_ddp(self.model)  # frozen, identical on every rank: DDP must not broadcast it
         if args.use_vllm and not args.vllm_importance_sampling_correction:
             logger.warning(
