@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -88,6 +89,49 @@ def test_routing_that_leaves_experts_idle_or_sends_every_token_to_one():
         y_ref.sum().backward()
         torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_experts_take_one_grouped_gemm_a_projection_with_the_loops_results(monkeypatch):
+    """In bf16 (where torch has a grouped GEMM: CUDA sm_80+ or the CPU, torch >= 2.9) each projection is one grouped
+    GEMM over the dequantized stack, as transformers runs BF16 experts; outputs and gradients match the per-expert
+    loop and transformers' pass on the same weights."""
+    from qerl_trl.nvfp4 import experts as ex
+
+    original = tiny_moe(seed=4, dtype=torch.bfloat16).model.layers[0].mlp.experts
+    packed = NVFP4Experts.from_experts(original)
+    ref = dense_reference(packed, original)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 64, generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(13)])
+    idx[:, 0] = 1  # expert 1 takes every token once, some experts few or none
+    w = torch.rand(13, 2, generator=gen).softmax(-1).to(torch.bfloat16)
+    grad = torch.randn(13, 64, generator=gen).to(torch.bfloat16)
+    assert ex.grouped_mm_usable(x), "this CPU torch has no grouped GEMM: the test would check nothing"
+    stacks = []
+    monkeypatch.setattr(NVFP4Experts, "dequantize_stack",
+                        lambda self, stack, like, f=NVFP4Experts.dequantize_stack: stacks.append(stack) or f(self, stack, like))  # fmt: skip
+
+    def run(module, grouped=True):
+        with monkeypatch.context() as m:
+            if not grouped:
+                m.setattr(ex, "grouped_mm_usable", lambda t: False)
+            xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            y = module(xa, idx, wa)
+            y.backward(grad)
+        return y.detach().float(), xa.grad.float(), wa.grad.float()
+
+    def near(a, b):  # bf16 accumulation orders may differ; a wrong expert or gradient is off by far more
+        assert ((a - b).norm() / b.norm()).item() < 1e-2, ((a - b).norm() / b.norm()).item()
+
+    grouped = run(packed)
+    assert stacks == ["gate_up", "down", "down", "gate_up"]  # forward, then backward dequantizes again
+    loop = run(packed, grouped=False)
+    assert len(stacks) == 4
+    for a, b in zip(grouped, loop):
+        near(a, b)
+    for a, b in zip(grouped, run(ref)):
+        near(a, b)
+    assert not ex.grouped_mm_usable(x.float()) and not ex.grouped_mm_usable(x.half())
 
 
 def test_gate_and_up_share_each_experts_global_scale_and_dtypes_survive_a_cast():
@@ -225,3 +269,33 @@ def test_nvfp4config_quantizer_packs_a_16_bit_moe_checkpoint_on_load_as_quantize
     # (transformers after 5.17 refuses the short stack itself; 5.17 would load it, and the quantizer refuses it)
     with pytest.raises((ValueError, RuntimeError), match=r"experts.down_packed'.*incomplete|mismatched_sizes"):
         load_nvfp4(tmp_path / "nvfp4")
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_experts_match_the_per_expert_loop_at_a_qwen3_30b_a3b_width(monkeypatch):
+    """On the GPU: the grouped GEMM over the Triton-dequantized stack against the per-expert NVFP4 matmuls, at
+    Qwen3-30B-A3B's expert shapes (hidden 2048, width 768; 16 of its 128 experts), top-8 of 512 tokens."""
+    from qerl_trl.nvfp4 import experts as ex
+
+    torch.manual_seed(0)
+    experts = types.SimpleNamespace(gate_up_proj=torch.randn(16, 1536, 2048, device="cuda") * 0.02,
+                                    down_proj=torch.randn(16, 2048, 768, device="cuda") * 0.02,
+                                    act_fn=nn.functional.silu)  # fmt: skip
+    packed = NVFP4Experts.from_experts(experts)
+    x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
+    idx = torch.rand(512, 16, device="cuda").topk(8, dim=-1).indices
+    w = torch.rand(512, 8, device="cuda").softmax(-1).to(torch.bfloat16)
+    grad = torch.randn_like(x)
+    assert ex.grouped_mm_usable(x)
+
+    def run(grouped):
+        with monkeypatch.context() as m:
+            if not grouped:
+                m.setattr(ex, "grouped_mm_usable", lambda t: False)
+            xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            y = packed(xa, idx, wa)
+            y.backward(grad)
+        return y.float(), xa.grad.float(), wa.grad.float()
+
+    for a, b in zip(run(True), run(False)):
+        assert ((a - b).norm() / b.norm()).item() < 1e-2

@@ -244,6 +244,19 @@ def test_interp_dequantize_kernel_is_bit_identical_to_reference(dtype, n, k):
     assert torch.equal(got, F.dequantize(*q, dtype=dtype))
 
 
+@cpu_interp
+def test_interp_dequantize_writes_one_slice_of_a_stack():
+    """The grouped experts dequantize each expert into its slice of one [experts, N, K] buffer."""
+    tk = _tk()
+    stack = torch.full((3, 16, 64), float("nan"), dtype=torch.bfloat16)
+    q = _weight(16, 64, seed=7)
+    tk.nvfp4_dequantize(*q, dtype=torch.bfloat16, out=stack[1])
+    assert torch.equal(stack[1], F.dequantize(*q, dtype=torch.bfloat16)) and stack[0].isnan().all()
+    for bad in (stack[:, 0], torch.empty(16, 64, dtype=torch.float16), torch.empty(64, 16, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            tk.nvfp4_dequantize(*q, dtype=torch.bfloat16, out=bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_dequantize_kernel_bit_identical_and_large_m_dispatch(dtype):

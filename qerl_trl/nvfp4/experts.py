@@ -4,9 +4,10 @@ Why: transformers 5.17+ keeps a MoE decoder's routed experts as two fused 3-D pa
 (``Qwen3MoeExperts.gate_up_proj`` [experts, 2 * width, hidden] and ``down_proj`` [experts, hidden, width]), not as
 Linears, so :class:`~qerl_trl.nvfp4.NVFP4Linear` cannot hold them. This module holds both stacks packed (4.5 bits a
 weight: Qwen3-30B-A3B's experts take 16 GB instead of 58) and computes transformers' eager expert pass, each expert's
-two matmuls through the NVFP4 ops :class:`NVFP4Linear` uses (the tokens sorted by expert, one slice each): only the
-expert being computed is dequantized, and nothing dequantized is kept for backward. Gradients reach the hidden states
-and the routing weights (so the router and any LoRA below learn); the experts stay frozen.
+two matmuls through the NVFP4 ops :class:`NVFP4Linear` uses (the tokens sorted by expert, one slice each), or, in
+bf16 where torch has a grouped GEMM, one grouped GEMM a projection over the layer's dequantized stack, as transformers
+runs BF16 experts. Nothing dequantized is kept for backward. Gradients reach the hidden states and the routing
+weights (so the router and any LoRA below learn); the experts stay frozen.
 
 Its state dict is per expert, as llm-compressor saves a MoE for vLLM (``<prefix><e>.gate_proj.weight_packed`` /
 ``weight_scale`` / ``weight_global_scale``, ``up_proj``, ``down_proj``): gate and up share the expert's global scale,
@@ -22,9 +23,42 @@ from torch import nn
 
 from . import format as nvfp4
 from .linear import ACTIVATION_DTYPES, _NVFP4LinearFn
-from .ops import nvfp4_linear_forward
+from .ops import dequantize_weight, nvfp4_linear_forward
 
-__all__ = ["NVFP4Experts", "NVFP4ExpertsCheckpoint"]
+__all__ = ["NVFP4Experts", "NVFP4ExpertsCheckpoint", "grouped_mm_usable"]
+
+#: torch's grouped GEMM (``torch.nn.functional.grouped_mm``, earlier ``torch._grouped_mm``)
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def grouped_mm_usable(x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these activations: bf16 on CUDA sm_80+ or the CPU, torch >= 2.9 (before,
+    Hopper only and no CPU kernel). transformers 5.17 runs BF16 experts on it by default (its
+    ``experts_implementation="grouped_mm"``), one GEMM a projection a layer instead of one an expert."""
+    if _GROUPED_MM is None or x.dtype != torch.bfloat16 or _TORCH < (2, 9):
+        return False
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return x.device.type == "cpu"
+
+
+class _GroupedExpertsFn(torch.autograd.Function):
+    """``y[s] = x[s] @ Ŵ_e(s)ᵀ`` over rows sorted by expert (``offsets``: where each expert's rows end), one grouped
+    GEMM. The stack is dequantized for the call and again in backward, never saved (one stack, about 0.8 GB at
+    Qwen3-30B-A3B's gate/up, exists at a time); backward returns only the input gradient: the experts are frozen."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, experts, stack):
+        ctx.experts, ctx.stack = experts, stack
+        ctx.save_for_backward(offsets)
+        return _GROUPED_MM(x, experts.dequantize_stack(stack, x).transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (offsets,) = ctx.saved_tensors
+        dx = _GROUPED_MM(dy.contiguous(), ctx.experts.dequantize_stack(ctx.stack, dy), offs=offsets)
+        return dx, None, None, None
 
 #: the packed stacks: (stack, the per-expert checkpoint projections it holds, in row order)
 STACKS = (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",)))
@@ -95,6 +129,15 @@ class NVFP4Experts(nn.Module):
         """One expert's dense ``gate_up`` [2 * width, hidden] or ``down`` [hidden, width] (for checks and export)."""
         return nvfp4.dequantize(*self._expert(stack, expert), dtype=dtype)
 
+    def dequantize_stack(self, stack: str, like: torch.Tensor) -> torch.Tensor:
+        """Every expert's dense ``stack`` [experts, rows, cols] in ``like``'s dtype, one dequantize pass an expert
+        (Triton on the GPU), for the grouped GEMM."""
+        packed, scale, global_scale = self.tensors(stack)
+        out = torch.empty(*packed.shape[:2], packed.shape[2] * 2, dtype=like.dtype, device=packed.device)
+        for e in range(self.num_experts):
+            dequantize_weight(like, packed[e], scale[e], global_scale[e : e + 1], out=out[e])
+        return out
+
     def _expert(self, stack: str, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         packed, scale, global_scale = self.tensors(stack)
         return packed[e], scale[e], global_scale[e : e + 1]
@@ -110,25 +153,31 @@ class NVFP4Experts(nn.Module):
             hidden_states = hidden_states.to(torch.get_autocast_dtype(hidden_states.device.type))
         if hidden_states.dtype not in ACTIVATION_DTYPES:
             raise TypeError(f"NVFP4Experts takes bf16/fp16/fp32 activations, got {hidden_states.dtype}")
-        # The (token, slot) pairs sorted by expert, each expert's rows one slice: one host sync a layer (the
-        # counts), where transformers' eager loop syncs twice an expert (its nonzero and torch.where): 128 experts
-        # x 48 layers x 3 passes a micro-batch at Qwen3-30B-A3B.
+        # The (token, slot) pairs sorted by expert, each expert's rows one slice. Grouped (bf16): two grouped GEMMs
+        # and no host sync. Else one GEMM pair an expert and one host sync a layer (the counts), where transformers'
+        # eager loop syncs twice an expert: 128 experts x 48 layers x 3 passes a micro-batch at Qwen3-30B-A3B.
         k = top_k_index.shape[-1]
         with torch.no_grad():
             flat = top_k_index.reshape(-1)
             order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+            counts = torch.bincount(flat, minlength=self.num_experts)
             token_of = torch.div(order, k, rounding_mode="floor")
         rows = hidden_states[token_of]
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                gate, up = self._matmul(rows[start : start + n], "gate_up", e).chunk(2, dim=-1)
-                outs.append(self._matmul(self.act_fn(gate) * up, "down", e))
-                start += n
-        if not outs:
-            return torch.zeros_like(hidden_states)
-        out = torch.cat(outs) * top_k_weights.reshape(-1)[order, None]
+        if grouped_mm_usable(rows):
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            gate, up = _GroupedExpertsFn.apply(rows, offsets, self, "gate_up").chunk(2, dim=-1)
+            out = _GroupedExpertsFn.apply(self.act_fn(gate) * up, offsets, self, "down")
+        else:
+            outs, start = [], 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    gate, up = self._matmul(rows[start : start + n], "gate_up", e).chunk(2, dim=-1)
+                    outs.append(self._matmul(self.act_fn(gate) * up, "down", e))
+                    start += n
+            if not outs:
+                return torch.zeros_like(hidden_states)
+            out = torch.cat(outs)
+        out = out * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, token_of, out.to(hidden_states.dtype))
 
     # -- state dict: per expert, as llm-compressor saves a MoE for vLLM --------------------------------------------

@@ -56,6 +56,18 @@ def _pick(x: torch.Tensor, packed: torch.Tensor) -> Backend | None:
     return None
 
 
+def dequantize_weight(like: torch.Tensor, packed, scale, global_scale, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense ``Ŵ`` in ``like``'s dtype (into ``out`` if given): one Triton pass where the Triton backend runs
+    ``like``, else the reference (bit-identical). For callers that multiply a stack of weights at once (the grouped
+    experts of :mod:`.experts`)."""
+    if _pick(like, packed) is not None and _triton_supports(like, packed):
+        from .triton_kernels import nvfp4_dequantize
+
+        return nvfp4_dequantize(packed, scale, global_scale, dtype=like.dtype, out=out)
+    w = dequantize(packed, scale, global_scale, dtype=like.dtype)
+    return w if out is None else out.copy_(w)
+
+
 def reference_forward(x2d, packed, scale, global_scale):
     w = dequantize(packed, scale, global_scale, dtype=x2d.dtype)
     return x2d @ w.t()

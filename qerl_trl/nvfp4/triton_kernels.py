@@ -238,15 +238,20 @@ def _prep(a, packed, scale):
 
 
 def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                     dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense ``Ŵ [N, K]`` of ``dtype`` in one kernel (bit-identical to ``format.dequantize``); the large-M
-    matmuls dequantize this way and hand Ŵ to cuBLAS, where the tensor cores, not the weight read, set the time."""
+    matmuls dequantize this way and hand Ŵ to cuBLAS, where the tensor cores, not the weight read, set the time.
+    ``out``: a contiguous ``[N, K]`` tensor of ``dtype`` to write (one slice of a stack of experts)."""
     N, K = packed.shape[0], packed.shape[1] * 2
     if K % 16:
         raise ValueError(f"NVFP4 dequantize: in_features {K} is not a multiple of 16")
     _check(None, packed, scale, global_scale, K)
     _, wq, scale = _prep(None, packed, scale)
-    out = torch.empty(N, K, device=packed.device, dtype=dtype)
+    if out is None:
+        out = torch.empty(N, K, device=packed.device, dtype=dtype)
+    elif tuple(out.shape) != (N, K) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"NVFP4 dequantize: out must be a contiguous {dtype} [{N}, {K}], got {out.dtype} "
+                         f"{tuple(out.shape)}")  # fmt: skip
     if _interpreting():
         grid = (triton.cdiv(N, 8), triton.cdiv(K, 64))
         _dequant_kernel[grid](wq, scale, global_scale, out, N, K, BLOCK_R=4, BLOCK_C=64, ROW_STEPS=2, USE_ASM=False)
