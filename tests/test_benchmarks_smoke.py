@@ -26,6 +26,22 @@ def test_memory_benchmark_runs_on_cpu(tmp_path):
     assert all("fwd_bwd_peak_gib" in r for r in rows.values())
 
 
+def test_moe_expert_pass_benchmark_runs_every_arm_on_cpu(tmp_path):
+    """The four arms compute one layer's experts: BF16's two implementations agree, NVFP4's two agree, and NVFP4 is
+    off BF16 by its rounding of the weights only."""
+    from benchmarks import moe_expert_pass as mep
+
+    path = mep.main(["--device", "cpu", "--tokens", "24", "--experts", "4", "--hidden", "64", "--width", "32",
+                     "--top-k", "2", "--repeats", "2", "--warmup", "1", "--out-dir", str(tmp_path)])  # fmt: skip
+    written = json.loads(open(path).read())
+    assert written["benchmark"] == "moe_expert_pass" and path.endswith("moe_expert_pass-cpu.json")
+    rows = {r["arm"]: r for r in written["rows"]}
+    assert set(rows) == set(mep.ARMS) and all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 for r in rows.values())
+    assert rows["bf16_grouped_mm"]["rel_err"] == 0 and rows["bf16_eager"]["rel_err"] < 1e-2
+    assert abs(rows["nvfp4_grouped"]["rel_err"] - rows["nvfp4_loop"]["rel_err"]) < 1e-2
+    assert 0 < rows["nvfp4_grouped"]["rel_err"] < 0.2
+
+
 def test_every_measured_row_of_the_committed_results_names_its_commit():
     """A result file's rows may come from several runs and commits (merges), so each measured row names its own;
     rows that record a configuration not run (``not_run: ...``) need not."""
