@@ -441,6 +441,15 @@ def unrunnable(spec: RowSpec, card_gib: float | None = None) -> str | None:
     return f"not_run: a 32B BF16 checkpoint (65 GB) does not fit the GPU machine's 64 GiB disk, {why}"
 
 
+def humming_cache_entries() -> int:
+    """Compiled kernels in Humming's on-disk cache (one directory each, ``HUMMING_CACHE_DIR`` or
+    ``~/.humming/cache``): a row's start that adds some compiled them, one that adds none loaded them."""
+    from qerl_trl.vllm_plugin.fp4_kernel import humming_cache_dir
+
+    cache = humming_cache_dir()
+    return len(os.listdir(cache)) if os.path.isdir(cache) else 0
+
+
 def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None) -> dict:
     """Build the arm's trainer, train ``steps`` steps, return the row (in this process); ``card_gib``: see
     :func:`vllm_memory_utilization` (the row keeps it and the share it gave)."""
@@ -459,6 +468,7 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
         return row
     t0 = time.perf_counter()
     mem = _PeakMemory()
+    humming_before = humming_cache_entries()
     try:
         trainer = build_trainer(spec, work, steps, card_gib=card_gib)
         row["init_s"] = round(time.perf_counter() - t0, 1)
@@ -466,6 +476,9 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
         if spec.arm in QERL_ARMS and gen is not None:  # "auto" resolved on this machine (Humming or Marlin)
             row["fp4_kernel"] = gen.serving.fp4_kernel
             row["engine_start_s"] = round(gen.engine_start_seconds, 1)
+            # a cold start compiles Humming's kernels (issue #55 item 4): how many this start added to the cache
+            row["humming_cache_entries"] = humming_before
+            row["humming_kernels_compiled"] = humming_cache_entries() - humming_before
         profile = None
         if gen is not None:
             profile = _profile_calls(gen, "sync_weights") if os.environ.get("QERL_E2E_PROFILE_SYNC") else None

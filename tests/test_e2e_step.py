@@ -236,3 +236,13 @@ def test_a_moe_qerl_arm_trains_from_its_nvfp4_checkpoint(monkeypatch, tmp_path):
     assert trainer.args.experimental_moe and trainer.model.name_or_path.endswith("tiny-moe-nvfp4")
     row = e2e.run_row(spec, work, steps=2)
     assert row["status"] == "ok", row["status"]
+
+
+def test_humming_cache_entries_count_the_compiled_kernels(tmp_path, monkeypatch):
+    """A QeRL row records the cache's entries before its start and how many the start added: a cold start (issue #55
+    item 4) is told from a warm one by the row itself."""
+    monkeypatch.setenv("HUMMING_CACHE_DIR", str(tmp_path / "cache"))
+    assert e2e.humming_cache_entries() == 0
+    for h in ("a1", "b2", "c3"):
+        (tmp_path / "cache" / h).mkdir(parents=True)
+    assert e2e.humming_cache_entries() == 3
