@@ -244,17 +244,36 @@ def test_interp_dequantize_kernel_is_bit_identical_to_reference(dtype, n, k):
     assert torch.equal(got, F.dequantize(*q, dtype=dtype))
 
 
+def _stack(experts: int, n: int, k: int, device: str = "cpu", seed: int = 0):
+    """A stack of NVFP4 weights, each expert under its own global scale."""
+    qs = [_weight(n, k, device=device, seed=seed + e) for e in range(experts)]
+    return (torch.stack([q.weight_packed for q in qs]), torch.stack([q.weight_scale for q in qs]),
+            torch.cat([q.weight_global_scale.reshape(1) for q in qs]))  # fmt: skip
+
+
 @cpu_interp
-def test_interp_dequantize_writes_one_slice_of_a_stack():
-    """The grouped experts dequantize each expert into its slice of one [experts, N, K] buffer."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interp_dequantize_stack_is_each_experts_reference_in_one_launch(dtype):
     tk = _tk()
-    stack = torch.full((3, 16, 64), float("nan"), dtype=torch.bfloat16)
-    q = _weight(16, 64, seed=7)
-    tk.nvfp4_dequantize(*q, dtype=torch.bfloat16, out=stack[1])
-    assert torch.equal(stack[1], F.dequantize(*q, dtype=torch.bfloat16)) and stack[0].isnan().all()
-    for bad in (stack[:, 0], torch.empty(16, 64, dtype=torch.float16), torch.empty(64, 16, dtype=torch.bfloat16).t()):
-        with pytest.raises(ValueError, match="out must be a contiguous"):
-            tk.nvfp4_dequantize(*q, dtype=torch.bfloat16, out=bad)
+    packed, scale, gs = _stack(3, 37, 80, seed=3)
+    got = tk.nvfp4_dequantize_stack(packed, scale, gs, dtype=dtype)
+    assert got.shape == (3, 37, 80) and got.dtype == dtype
+    for e in range(3):
+        assert torch.equal(got[e], F.dequantize(packed[e], scale[e], gs[e : e + 1], dtype=dtype)), e
+    with pytest.raises(ValueError, match="one value an expert"):
+        tk.nvfp4_dequantize_stack(packed, scale, gs[:2])
+    with pytest.raises(ValueError, match="3-D"):
+        tk.nvfp4_dequantize_stack(packed[0], scale[0], gs[:1])
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_stack_bit_identical_at_qwen3_30b_a3b_expert_shapes():
+    tk = _tk()
+    for n, k in ((1536, 2048), (2048, 768)):  # gate/up and down of an expert
+        packed, scale, gs = _stack(8, n, k, device="cuda", seed=n)
+        got = tk.nvfp4_dequantize_stack(packed, scale, gs, dtype=torch.bfloat16)
+        for e in range(8):
+            assert torch.equal(got[e], F.dequantize(packed[e], scale[e], gs[e : e + 1], dtype=torch.bfloat16)), e
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ from torch import nn
 
 from . import format as nvfp4
 from .linear import ACTIVATION_DTYPES, _NVFP4LinearFn
-from .ops import dequantize_weight, nvfp4_linear_forward
+from .ops import dequantize_stack, nvfp4_linear_forward
 
 __all__ = ["NVFP4Experts", "NVFP4ExpertsCheckpoint", "grouped_mm_usable"]
 
@@ -130,13 +130,9 @@ class NVFP4Experts(nn.Module):
         return nvfp4.dequantize(*self._expert(stack, expert), dtype=dtype)
 
     def dequantize_stack(self, stack: str, like: torch.Tensor) -> torch.Tensor:
-        """Every expert's dense ``stack`` [experts, rows, cols] in ``like``'s dtype, one dequantize pass an expert
-        (Triton on the GPU), for the grouped GEMM."""
-        packed, scale, global_scale = self.tensors(stack)
-        out = torch.empty(*packed.shape[:2], packed.shape[2] * 2, dtype=like.dtype, device=packed.device)
-        for e in range(self.num_experts):
-            dequantize_weight(like, packed[e], scale[e], global_scale[e : e + 1], out=out[e])
-        return out
+        """Every expert's dense ``stack`` [experts, rows, cols] in ``like``'s dtype (one Triton launch on the GPU),
+        for the grouped GEMM."""
+        return dequantize_stack(like, *self.tensors(stack))
 
     def _expert(self, stack: str, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         packed, scale, global_scale = self.tensors(stack)

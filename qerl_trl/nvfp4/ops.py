@@ -56,16 +56,16 @@ def _pick(x: torch.Tensor, packed: torch.Tensor) -> Backend | None:
     return None
 
 
-def dequantize_weight(like: torch.Tensor, packed, scale, global_scale, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense ``Ŵ`` in ``like``'s dtype (into ``out`` if given): one Triton pass where the Triton backend runs
-    ``like``, else the reference (bit-identical). For callers that multiply a stack of weights at once (the grouped
-    experts of :mod:`.experts`)."""
-    if _pick(like, packed) is not None and _triton_supports(like, packed):
-        from .triton_kernels import nvfp4_dequantize
+def dequantize_stack(like: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
+    """Dense ``[E, N, K]`` of a stack of NVFP4 weights (one global scale an expert) in ``like``'s dtype: one Triton
+    launch where the Triton backend runs ``like``, else the reference an expert at a time (bit-identical). For the
+    grouped experts of :mod:`.experts`."""
+    if _pick(like, packed[0]) is not None and _triton_supports(like, packed[0]):
+        from .triton_kernels import nvfp4_dequantize_stack
 
-        return nvfp4_dequantize(packed, scale, global_scale, dtype=like.dtype, out=out)
-    w = dequantize(packed, scale, global_scale, dtype=like.dtype)
-    return w if out is None else out.copy_(w)
+        return nvfp4_dequantize_stack(packed, scale, global_scale, dtype=like.dtype)
+    return torch.stack([dequantize(packed[e], scale[e], global_scale[e : e + 1], dtype=like.dtype)
+                        for e in range(packed.shape[0])])  # fmt: skip
 
 
 def reference_forward(x2d, packed, scale, global_scale):

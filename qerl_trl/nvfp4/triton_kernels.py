@@ -157,6 +157,18 @@ def _dequant_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, BLOCK_R: tl.constexpr
 
 
 @triton.jit
+def _dequant_stack_kernel(wq_ptr, ws_ptr, gs_ptr, out_ptr, N, K, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                          ROW_STEPS: tl.constexpr, USE_ASM: tl.constexpr):
+    """:func:`_dequant_kernel` over a stack of experts ``[E, N, K]``, each under its own global scale (grid axis 2:
+    the expert): one launch for a MoE layer's stack, where one a weight took 128 at Qwen3-30B-A3B."""
+    e = tl.program_id(2).to(tl.int64)
+    wq, ws, out = wq_ptr + e * N * (K // 8), ws_ptr + e * N * (K // 16), out_ptr + e * N * K
+    for step in range(ROW_STEPS):
+        _dequant_rows(wq, ws, gs_ptr + e, out, N, K, (tl.program_id(0) * ROW_STEPS + step) * BLOCK_R, BLOCK_R,
+                      BLOCK_C, USE_ASM)  # fmt: skip
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """``out = partials[0] + ... + partials[SPLIT - 1]`` in that order (fp32), cast to ``out``'s dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -195,6 +207,7 @@ def sum_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _DEQUANT_CFG = dict(BLOCK_R=8, BLOCK_C=1024, ROW_STEPS=1)
 _DEQUANT_WARPS = 4
 _dequant_launch = KernelLauncher(_dequant_kernel)
+_dequant_stack_launch = KernelLauncher(_dequant_stack_kernel)
 
 # ----------------------------------------------------------------------------------------------- entry points
 
@@ -238,20 +251,15 @@ def _prep(a, packed, scale):
 
 
 def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                     dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dense ``Ŵ [N, K]`` of ``dtype`` in one kernel (bit-identical to ``format.dequantize``); the large-M
-    matmuls dequantize this way and hand Ŵ to cuBLAS, where the tensor cores, not the weight read, set the time.
-    ``out``: a contiguous ``[N, K]`` tensor of ``dtype`` to write (one slice of a stack of experts)."""
+    matmuls dequantize this way and hand Ŵ to cuBLAS, where the tensor cores, not the weight read, set the time."""
     N, K = packed.shape[0], packed.shape[1] * 2
     if K % 16:
         raise ValueError(f"NVFP4 dequantize: in_features {K} is not a multiple of 16")
     _check(None, packed, scale, global_scale, K)
     _, wq, scale = _prep(None, packed, scale)
-    if out is None:
-        out = torch.empty(N, K, device=packed.device, dtype=dtype)
-    elif tuple(out.shape) != (N, K) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"NVFP4 dequantize: out must be a contiguous {dtype} [{N}, {K}], got {out.dtype} "
-                         f"{tuple(out.shape)}")  # fmt: skip
+    out = torch.empty(N, K, device=packed.device, dtype=dtype)
     if _interpreting():
         grid = (triton.cdiv(N, 8), triton.cdiv(K, 64))
         _dequant_kernel[grid](wq, scale, global_scale, out, N, K, BLOCK_R=4, BLOCK_C=64, ROW_STEPS=2, USE_ASM=False)
@@ -261,4 +269,35 @@ def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: to
         grid = (triton.cdiv(N, rows), triton.cdiv(K, _DEQUANT_CFG["BLOCK_C"]))
         _dequant_launch(grid, (wq, scale, global_scale, out, N, K), use_asm, dict(_DEQUANT_CFG, USE_ASM=use_asm),
                         dict(num_warps=_DEQUANT_WARPS))
+    return out
+
+
+def nvfp4_dequantize_stack(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dense ``[E, N, K]`` of a stack of NVFP4 weights (``packed [E, N, K/2]``, ``scale [E, N, K/16]``, one float32
+    global scale an expert ``[E]``) in one kernel, each expert bit-identical to ``format.dequantize``: the grouped
+    experts' weights for one grouped GEMM (:mod:`qerl_trl.nvfp4.experts`)."""
+    if packed.ndim != 3 or scale.ndim != 3:
+        raise ValueError(f"NVFP4 dequantize_stack: packed and scale must be 3-D [experts, N, ...], got "
+                         f"{tuple(packed.shape)} and {tuple(scale.shape)}")  # fmt: skip
+    E, N, K = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    if K % 16:
+        raise ValueError(f"NVFP4 dequantize_stack: in_features {K} is not a multiple of 16")
+    if tuple(scale.shape) != (E, N, K // 16):
+        raise ValueError(f"NVFP4 dequantize_stack: scale shape {tuple(scale.shape)} does not match packed "
+                         f"{tuple(packed.shape)} (expected [experts, N, K/16])")  # fmt: skip
+    if global_scale.dtype != torch.float32 or global_scale.numel() != E:
+        raise ValueError(f"NVFP4 dequantize_stack: global_scale must be float32 with one value an expert ({E})")
+    _, wq, scale = _prep(None, packed, scale)
+    gs = global_scale.reshape(E).contiguous()
+    out = torch.empty(E, N, K, device=packed.device, dtype=dtype)
+    if _interpreting():
+        grid = (triton.cdiv(N, 8), triton.cdiv(K, 64), E)
+        _dequant_stack_kernel[grid](wq, scale, gs, out, N, K, BLOCK_R=4, BLOCK_C=64, ROW_STEPS=2, USE_ASM=False)
+    else:
+        use_asm = dtype != torch.float32
+        rows = _DEQUANT_CFG["BLOCK_R"] * _DEQUANT_CFG["ROW_STEPS"]
+        grid = (triton.cdiv(N, rows), triton.cdiv(K, _DEQUANT_CFG["BLOCK_C"]), E)
+        _dequant_stack_launch(grid, (wq, scale, gs, out, N, K), use_asm, dict(_DEQUANT_CFG, USE_ASM=use_asm),
+                              dict(num_warps=_DEQUANT_WARPS))
     return out
