@@ -46,6 +46,25 @@ def dense_reference(experts: NVFP4Experts, original: nn.Module) -> nn.Module:
     return ref
 
 
+def expert_pass(module, x, idx, w, grad, monkeypatch, grouped: bool = True):
+    """``(output, d hidden states, d routing weights)`` of one forward and backward, in float32; ``grouped=False``
+    makes :class:`NVFP4Experts` take its per-expert loop."""
+    from qerl_trl.nvfp4 import experts as ex
+
+    with monkeypatch.context() as m:
+        if not grouped:
+            m.setattr(ex, "grouped_mm_usable", lambda t: False)
+        xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = module(xa, idx, wa)
+        y.backward(grad)
+    return y.detach().float(), xa.grad.float(), wa.grad.float()
+
+
+def assert_near(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16 accumulation orders may differ; a wrong expert or gradient is off by far more."""
+    assert ((a - b).norm() / b.norm()).item() < 1e-2, ((a - b).norm() / b.norm()).item()
+
+
 def test_experts_compute_transformers_expert_pass_on_the_dequantized_weights_forward_and_backward():
     original = tiny_moe().model.layers[0].mlp.experts
     packed = NVFP4Experts.from_experts(original)
@@ -111,26 +130,14 @@ def test_bf16_experts_take_one_grouped_gemm_a_projection_with_the_loops_results(
     monkeypatch.setattr(NVFP4Experts, "dequantize_stack",
                         lambda self, stack, like, f=NVFP4Experts.dequantize_stack: stacks.append(stack) or f(self, stack, like))  # fmt: skip
 
-    def run(module, grouped=True):
-        with monkeypatch.context() as m:
-            if not grouped:
-                m.setattr(ex, "grouped_mm_usable", lambda t: False)
-            xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            y = module(xa, idx, wa)
-            y.backward(grad)
-        return y.detach().float(), xa.grad.float(), wa.grad.float()
-
-    def near(a, b):  # bf16 accumulation orders may differ; a wrong expert or gradient is off by far more
-        assert ((a - b).norm() / b.norm()).item() < 1e-2, ((a - b).norm() / b.norm()).item()
-
-    grouped = run(packed)
+    grouped = expert_pass(packed, x, idx, w, grad, monkeypatch)
     assert stacks == ["gate_up", "down", "down", "gate_up"]  # forward, then backward dequantizes again
-    loop = run(packed, grouped=False)
+    loop = expert_pass(packed, x, idx, w, grad, monkeypatch, grouped=False)
     assert len(stacks) == 4
     for a, b in zip(grouped, loop):
-        near(a, b)
-    for a, b in zip(grouped, run(ref)):
-        near(a, b)
+        assert_near(a, b)
+    for a, b in zip(grouped, expert_pass(ref, x, idx, w, grad, monkeypatch)):
+        assert_near(a, b)
     assert not ex.grouped_mm_usable(x.float()) and not ex.grouped_mm_usable(x.half())
 
 
@@ -288,14 +295,6 @@ def test_gpu_grouped_experts_match_the_per_expert_loop_at_a_qwen3_30b_a3b_width(
     grad = torch.randn_like(x)
     assert ex.grouped_mm_usable(x)
 
-    def run(grouped):
-        with monkeypatch.context() as m:
-            if not grouped:
-                m.setattr(ex, "grouped_mm_usable", lambda t: False)
-            xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            y = packed(xa, idx, wa)
-            y.backward(grad)
-        return y.float(), xa.grad.float(), wa.grad.float()
-
-    for a, b in zip(run(True), run(False)):
-        assert ((a - b).norm() / b.norm()).item() < 1e-2
+    grouped = expert_pass(packed, x, idx, w, grad, monkeypatch)
+    for a, b in zip(grouped, expert_pass(packed, x, idx, w, grad, monkeypatch, grouped=False)):
+        assert_near(a, b)
