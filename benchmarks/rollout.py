@@ -118,9 +118,9 @@ def lora_shapes(config) -> dict[str, tuple[int, int]]:
 def lora_targets(config) -> tuple[str, ...]:
     """The LoRA arms' targets: every linear of a dense model; the attention of a mixture-of-experts one, as the
     trainer puts it there (``QeRLGRPOConfig(experimental_moe=True)``: its MLP is the experts)."""
-    from qerl_trl.quantizer.moe import moe_expert_count
+    from qerl_trl.quantizer.moe import MOE_LORA_TARGETS, moe_expert_count
 
-    return LORA_TARGETS[:4] if moe_expert_count(config) else LORA_TARGETS
+    return MOE_LORA_TARGETS if moe_expert_count(config) else LORA_TARGETS
 
 
 def random_lora(config, r: int, seed: int = 0) -> dict:

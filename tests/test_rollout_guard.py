@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qerl_trl.trainer.rollout_guard import RolloutPolicyError, RolloutPolicyGuard
+from qerl_trl.trainer.rollout_guard import RolloutPolicyError, RolloutPolicyGuard, RoundGap
 
 
 def test_measure_uses_masked_finite_tokens_and_counts_nan():
@@ -18,6 +18,20 @@ def test_measure_uses_masked_finite_tokens_and_counts_nan():
     gap, nan = RolloutPolicyGuard.measure(sampling, trainer, mask)
     assert gap == pytest.approx((0.5 + 1.0 + 0.0) / 3) and nan == pytest.approx(3 / 6)
     assert RolloutPolicyGuard.measure(sampling, trainer, torch.zeros_like(mask)) == (0.0, 0.0)
+
+
+def test_a_round_summed_over_micro_batches_is_the_whole_rounds_measure():
+    """The fused ratio's guard adds a round's micro-batches one by one, keeping the sums on the device."""
+    gen = torch.Generator().manual_seed(0)
+    sampling, trainer = -torch.rand(6, 5, generator=gen) * 3, -torch.rand(6, 5, generator=gen) * 3
+    sampling[1, 2] = sampling[4, 0] = float("nan")
+    mask = (torch.rand(6, 5, generator=gen) > 0.3).long()
+    gap = RoundGap(step=3)
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        gap.add(sampling[rows], trainer[rows], mask[rows])
+        assert isinstance(gap.sums, torch.Tensor)
+    assert gap.result() == pytest.approx(RolloutPolicyGuard.measure(sampling, trainer, mask))
+    assert RoundGap().result() == (0.0, 0.0)
 
 
 def test_raises_after_three_bad_rounds_in_a_row_and_resets_on_a_good_one():

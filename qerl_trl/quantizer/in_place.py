@@ -27,8 +27,7 @@ def quantize_model(model: nn.Module, config: NVFP4Config | None = None) -> Conve
 
     A mixture-of-experts model's routed experts (transformers' fused 3-D stacks, Qwen3-MoE's layout) become
     :class:`~qerl_trl.nvfp4.experts.NVFP4Experts`, one layer at a time, saved per expert as llm-compressor saves them
-    for vLLM; their routers stay 16-bit (``ignore``: ``re:.*mlp.gate$``). Loading a MoE with ``NVFP4Config`` is still
-    refused (``MoENotSupportedError``).
+    for vLLM; their routers stay 16-bit (``ignore``: ``re:.*mlp.gate$``), as ``NVFP4Config`` packs them on load.
     """
     config = config or NVFP4Config()
     keep_fp32 = getattr(model, "_keep_in_fp32_modules", None)

@@ -37,6 +37,8 @@ T = TypeVar("T")
 
 #: the router of a sparse block stays 16-bit; llm-compressor's MoE recipes ignore it by this pattern (vLLM matches it)
 ROUTER_IGNORE = "re:.*mlp.gate$"
+#: a MoE decoder layer's attention projections: where its LoRA goes (the MLP is the packed experts)
+MOE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 #: config attributes that mark a mixture-of-experts decoder (Qwen2/3-MoE: num_experts; Mixtral: num_local_experts)
 _EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")

@@ -251,14 +251,18 @@ class QeRLGRPOTrainer(GRPOTrainer):
                                           self.vllm_importance_sampling_clip_max)  # fmt: skip
         inputs["importance_sampling_ratio"] = ratio
         split = "train" if self.model.training else "eval"
-        reduce = {"min": nanmin, "max": nanmax, "mean": torch.nanmean}
-        for name, value in importance_sampling_metrics(trainer_logps, sampling, mask, ratio, mode).items():
-            gathered = self.accelerator.gather(value)
+        metrics = importance_sampling_metrics(trainer_logps, sampling, mask, ratio, mode)
+        # one gather and one host sync for the five values; the ranks' values reduced as TRL reduces each
+        ranks = self.accelerator.gather(torch.stack(list(metrics.values())).float()).reshape(-1, len(metrics))
+        for name, column in zip(metrics, ranks.T):
             how = name.rsplit("/", 1)[1]
             if "difference" in name:  # TRL: plain mean / max of the ranks' values
-                self._metrics[split][name].append((gathered.mean() if how == "mean" else gathered.max()).item())
+                value = column.mean() if how == "mean" else column.max()
             else:
-                self._metrics[split][name].append(reduce[how](gathered).item())
+                value = {"min": nanmin, "max": nanmax, "mean": torch.nanmean}[how](column)
+            metrics[name] = value
+        for name, value in zip(metrics, torch.stack(list(metrics.values())).tolist()):
+            self._metrics[split][name].append(value)
         if self.model.training and self._round_gap is not None:
             self._round_gap.add(sampling, trainer_logps, mask)
 

@@ -27,7 +27,7 @@ from transformers import AutoConfig, PreTrainedModel
 
 from ..model_source import check_model_source
 from ..nvfp4 import NVFP4Linear
-from ..quantizer.moe import EXPERT_LAYOUT_MODEL_TYPES, refuse_moe_config
+from ..quantizer.moe import EXPERT_LAYOUT_MODEL_TYPES, MOE_LORA_TARGETS, moe_expert_count, refuse_moe_config
 from .config import QeRLGRPOConfig
 from .model_forms import (
     SplitPeftModel,
@@ -134,8 +134,6 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
     return PreparedPolicy(model, peft_config, processing_class, source, source_is_nvfp4, split)
 
 
-#: the attention projections of a Qwen3-MoE decoder layer: where its LoRA goes when "all-linear" is asked
-MOE_ATTENTION_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def attention_lora_for_moe(lora_config: Any, model: nn.Module) -> Any:
@@ -147,14 +145,12 @@ def attention_lora_for_moe(lora_config: Any, model: nn.Module) -> Any:
     returned as it is."""
     import copy
 
-    from ..quantizer.moe import moe_expert_count
-
     if lora_config is None or lora_config.target_modules != "all-linear" or not moe_expert_count(model.config):
         return lora_config
     lora_config = copy.deepcopy(lora_config)
-    lora_config.target_modules = list(MOE_ATTENTION_LORA_TARGETS)
+    lora_config.target_modules = list(MOE_LORA_TARGETS)
     logger.info("QeRL: a mixture-of-experts policy: the LoRA ('all-linear') goes on the attention, %s",
-                MOE_ATTENTION_LORA_TARGETS)  # fmt: skip
+                MOE_LORA_TARGETS)  # fmt: skip
     return lora_config
 
 
@@ -177,8 +173,6 @@ def check_moe_lora(config: Any, lora_config: Any) -> None:
     Linears) or put ``target_parameters`` on the dense expert tensors the packed base does not keep."""
     import re
 
-    from ..quantizer.moe import moe_expert_count
-
     if lora_config is None or not moe_expert_count(config):
         return
     bad = []
@@ -191,12 +185,12 @@ def check_moe_lora(config: Any, lora_config: Any) -> None:
         if hits:
             bad.append(f"target_modules={targets!r} (matches {hits[0]})")
     else:
-        extra = sorted(set(targets or ()) - set(MOE_ATTENTION_LORA_TARGETS))
+        extra = sorted(set(targets or ()) - set(MOE_LORA_TARGETS))
         if extra:
             bad.append(f"target_modules {extra}")
     if bad:
         raise ValueError(
-            f"On a mixture-of-experts policy the LoRA goes on the attention projections {MOE_ATTENTION_LORA_TARGETS}"
+            f"On a mixture-of-experts policy the LoRA goes on the attention projections {list(MOE_LORA_TARGETS)}"
             f" only (a LoRA on the NVFP4 experts or the router is not built yet); got {'; '.join(bad)}. Use "
             "target_modules='all-linear' (the attention there) or a subset of those four."
         )

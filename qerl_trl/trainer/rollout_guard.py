@@ -19,29 +19,29 @@ __all__ = ["RolloutPolicyError", "RolloutPolicyGuard", "RoundGap"]
 @dataclass
 class RoundGap:
     """The guard's measure of one generation round, as sums that add up over its micro-batches (with
-    ``fused_importance_sampling`` the trainer's log-probs of a round exist one micro-batch at a time)."""
+    ``fused_importance_sampling`` the trainer's log-probs of a round exist one micro-batch at a time). The sums stay
+    on the device until :meth:`result`: adding a micro-batch costs the training pass no host sync."""
 
     step: int = 0
-    gap_sum: float = 0.0
-    finite: int = 0
-    nan: int = 0
-    tokens: int = 0
+    sums: torch.Tensor | None = None  #: [|gap| over finite masked tokens, finite tokens, NaN tokens, masked tokens]
 
     def add(self, sampling_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor) -> RoundGap:
         mask = mask.bool()
         nan = torch.isnan(sampling_logps) & mask
-        delta = (sampling_logps.float() - trainer_logps.float()).abs()[mask & ~nan]
-        self.gap_sum += float(delta.sum())
-        self.finite += int(delta.numel())
-        self.nan += int(nan.sum())
-        self.tokens += int(mask.sum())
+        finite = mask & ~nan
+        delta = torch.where(finite, (sampling_logps.float() - trainer_logps.float()).abs(), 0.0)
+        sums = torch.stack([delta.sum(), finite.sum(), nan.sum(), mask.sum()]).double()
+        self.sums = sums if self.sums is None else self.sums + sums
         return self
 
     def result(self) -> tuple[float, float]:
         """``(mean |gap| over the finite masked tokens, fraction of masked tokens whose vLLM log-prob is NaN)``."""
-        if not self.tokens:
+        if self.sums is None:
             return 0.0, 0.0
-        return (self.gap_sum / self.finite if self.finite else 0.0), self.nan / self.tokens
+        gap_sum, finite, nan, tokens = self.sums.tolist()
+        if not tokens:
+            return 0.0, 0.0
+        return (gap_sum / finite if finite else 0.0), nan / tokens
 
 
 class RolloutPolicyError(RuntimeError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from ..quantizer.moe import moe_expert_count
+from ..quantizer.moe import MOE_LORA_TARGETS, moe_expert_count
 
 __all__ = [
     "DECODER_LINEARS",
@@ -59,7 +59,6 @@ HUMMING_MOE_PROBLEM = (
     "vLLM 0.24's Humming MoE method cannot load a compressed-tensors NVFP4A16 checkpoint's experts (its weight loader "
     "indexes a per-expert global-scale parameter that has no gate/up axis: IndexError)"
 )
-ATTENTION_LINEARS = DECODER_LINEARS[:4]
 EXPERTS_ON_MARLIN = "; the experts on vLLM's compressed-tensors MoE method (Marlin)"
 
 
@@ -184,7 +183,7 @@ def choose_fp4_kernel(
     moe = moe_expert_count(model_config) > 0
     shapes = decoder_linear_shapes(model_config, tp_size)
     if moe:  # the MLP is the experts, on vLLM's MoE method whatever the linears run on
-        shapes = {k: v for k, v in shapes.items() if k in ATTENTION_LINEARS}
+        shapes = {k: v for k, v in shapes.items() if k in MOE_LORA_TARGETS}
     misfits = _shape_misfits(shapes, quantized_modules)
     misfit_text = ", ".join(f"{k}: {v}" for k, v in misfits.items())
     if requested == "humming":
