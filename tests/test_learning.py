@@ -148,8 +148,8 @@ def test_child_runs_do_not_inherit_the_parents_distributed_rendezvous():
               "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "16"}  # fmt: skip
     env = child_env(parent, threads=2)
     port = env.pop("MASTER_PORT")
-    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false",
-                   "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "2",
+                   "TOKENIZERS_PARALLELISM": "false", "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
     assert port != "29500" and 0 < int(port) < 65536  # its own port: not the parent's, nor TRL's first pick
     assert parent["MASTER_PORT"] == "29500"  # the parent's own environment is left as it was
 
@@ -163,7 +163,8 @@ def test_children_started_side_by_side_get_a_port_each(monkeypatch):
 
     picks = itertools.count(40001)
     monkeypatch.setattr(runner, "free_port", lambda: next(picks))
-    ports = [runner.child_env({}, threads=1)["MASTER_PORT"] for _ in range(3)] + [runner.own_rendezvous({})["MASTER_PORT"]]
+    ports = [runner.child_env({}, threads=1)["MASTER_PORT"] for _ in range(3)]
+    ports.append(runner.own_rendezvous({})["MASTER_PORT"])
     assert ports == ["40001", "40002", "40003", "40004"]
 
 

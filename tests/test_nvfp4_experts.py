@@ -127,8 +127,13 @@ def test_bf16_experts_take_one_grouped_gemm_a_projection_with_the_loops_results(
     grad = torch.randn(13, 64, generator=gen).to(torch.bfloat16)
     assert ex.grouped_mm_usable(x), "this CPU torch has no grouped GEMM: the test would check nothing"
     stacks = []
-    monkeypatch.setattr(NVFP4Experts, "dequantize_stack",
-                        lambda self, stack, like, f=NVFP4Experts.dequantize_stack: stacks.append(stack) or f(self, stack, like))  # fmt: skip
+    original_stack = NVFP4Experts.dequantize_stack
+
+    def recording_stack(self, stack, like):
+        stacks.append(stack)
+        return original_stack(self, stack, like)
+
+    monkeypatch.setattr(NVFP4Experts, "dequantize_stack", recording_stack)
 
     grouped = expert_pass(packed, x, idx, w, grad, monkeypatch)
     assert stacks == ["gate_up", "down", "down", "gate_up"]  # forward, then backward dequantizes again
