@@ -99,7 +99,8 @@ def test_lora_targets_off_the_attention_of_a_moe_are_refused_before_anything_loa
     qwen3 = rm.qwen3_moe_config("qwen3-30b-a3b", **{"num_hidden_layers": 1})
     for ok in (["q_proj", "v_proj"], "all-linear", r".*self_attn\.(q|v)_proj"):
         check_moe_lora(qwen3, LoraConfig(target_modules=ok))
-    check_moe_lora(rm.qwen25_config("qwen2.5-7b"), LoraConfig(target_modules=["q_proj", "gate_proj"]))  # dense: as before
+    dense = rm.qwen25_config("qwen2.5-7b")
+    check_moe_lora(dense, LoraConfig(target_modules=["q_proj", "gate_proj"]))  # a dense model: as before
     for bad, said in ((["q_proj", "gate_proj"], r"target_modules \['gate_proj'\]"),
                       (r".*mlp.*", r"matches model.layers.0.mlp.gate"),
                       (None, r"target_parameters=\['mlp.experts.gate_up_proj'\]")):  # fmt: skip
