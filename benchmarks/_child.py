@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from qerl_trl.study.runner import free_port  # the launcher's rendezvous port: one below the ephemeral range
 
 __all__ = ["ChildResult", "accelerate_launch", "free_port", "run_child", "signal_group", "visible_gpu"]
 
@@ -24,13 +25,6 @@ LOG_TAIL = 8000
 #: the accelerate configs users launch the examples with (README, ``examples/grpo_gsm8k.py``)
 ACCELERATE_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                                   "accelerate_configs")  # fmt: skip
-
-
-def free_port() -> int:
-    """A free TCP port for the launcher's rendezvous (torchrun and accelerate do not pick one for port 0)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def visible_gpu(index: int, environ: Mapping[str, str] | None = None) -> str:

@@ -698,6 +698,10 @@ def main(argv: list[str] | None = None) -> None:
         merge(a.merge, a.out_dir, a.gpu_tag, a.command, a.commit,
               dict(x.split("=", 1) for x in a.row_status), a.missing_status)
         return
+    if not specs:  # a misspelt --only once ran nothing and wrote an empty result after a device call
+        known = sorted({s.short for s in default_matrix(a.arms or DEFAULT_ARMS) if not a.sizes or s.size in a.sizes})
+        ap.error(f"no row of the matrix matches --sizes {a.sizes} --arms {a.arms} --only {a.only}; settings: "
+                 f"{', '.join(known)} (--list prints the rows)")
     os.makedirs(a.out_dir, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     jsonl = a.jsonl or os.path.join(a.out_dir, "e2e_step-rows.jsonl")

@@ -194,6 +194,16 @@ def test_arms_take_a_micro_batch_and_no_gradient_checkpointing():
         e2e.main(["--arms", "qerl:mb", "--list"])
 
 
+def test_a_selection_matching_no_row_is_an_error_that_names_the_settings(tmp_path, capsys):
+    """``--only 2x8-512`` (the setting is ``2x8-512-nosleep``) ran nothing on a GPU and wrote an empty result."""
+    with pytest.raises(SystemExit):
+        e2e.main(["--sizes", "7b", "--only", "2x8-512", "--arms", "trl_bf16", "--out-dir", str(tmp_path / "out"),
+                  "--work", str(tmp_path / "work")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert "no row of the matrix matches" in err and "2x8-512-nosleep" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()  # nothing written
+
+
 @pytest.mark.slow
 def test_an_arm_at_its_own_micro_batch_without_checkpointing_trains(tiny, tmp_path):
     work = str(tmp_path)

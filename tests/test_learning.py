@@ -177,6 +177,60 @@ def test_free_port_can_be_bound():
         s.bind(("127.0.0.1", free_port()))  # raises if the port it gave is taken
 
 
+def test_free_ports_lie_below_the_ephemeral_range_and_are_never_trls_or_given_twice(monkeypatch):
+    """A learning run's OS-picked port was taken by another process's bind to port 0 before the run bound it (GPU
+    suite at 177e135): ports come from below the ephemeral range, where no bind to port 0 lands."""
+    import random
+
+    from qerl_trl.study import runner
+
+    monkeypatch.setattr(runner, "ephemeral_ports", lambda: (32768, 60999))
+    monkeypatch.setattr(runner, "_handed_out", set())
+    rng = random.Random(0)
+    ports = [runner.free_port(rng) for _ in range(300)]
+    assert all(runner.LOWEST_PORT <= p < 32768 for p in ports)
+    assert len(set(ports)) == len(ports)  # never the same port twice in one process
+    assert not set(ports) & runner.TRL_PORTS
+
+
+def test_free_port_skips_ports_in_use_and_trls(monkeypatch):
+    import socket
+
+    from qerl_trl.study import runner
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    busy = held.getsockname()[1]
+    try:
+        wanted = iter([29500, busy, 24001])  # TRL's first pick, a port someone listens on, then a free one
+
+        class Picks:
+            def randrange(self, low, high):
+                return next(wanted)
+
+        monkeypatch.setattr(runner, "ephemeral_ports", lambda: (32768, 60999))
+        monkeypatch.setattr(runner, "_handed_out", set())
+        if not runner.port_is_free(24001):
+            pytest.skip("port 24001 is in use on this machine")
+        assert runner.free_port(Picks()) == 24001
+    finally:
+        held.close()
+
+
+def test_free_port_falls_back_to_the_os_where_the_range_leaves_no_room(monkeypatch):
+    from qerl_trl.study import runner
+
+    monkeypatch.setattr(runner, "ephemeral_ports", lambda: (runner.LOWEST_PORT + 10, 60999))
+    assert runner.port_is_free(runner.free_port())
+
+
+def test_the_launcher_port_of_the_benchmarks_is_the_same_pick():
+    from benchmarks import _child
+    from qerl_trl.study import runner
+
+    assert _child.free_port is runner.free_port
+
+
 def _write_runs(work, arms, seeds, steps=4):
     (work / "runs").mkdir(parents=True)
     for arm in arms:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -306,8 +307,53 @@ _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SI
                    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
-def free_port() -> int:
-    """A TCP port the OS reports free now (bound to port 0, then released)."""
+#: the ports TRL 1.16's ``ensure_master_addr_port`` tries first (``trl/trainer/utils.py::_find_free_port``): a
+#: trainer started without ``MASTER_PORT`` takes one of them, so a child's own port is never one of these
+TRL_PORTS = frozenset({29500, 23456, 12355, 12345})
+#: the lowest port :func:`free_port` hands out (below it: well-known and registered services' ports)
+LOWEST_PORT = 20000
+#: Linux's default ephemeral range, where ``/proc/sys/net/ipv4/ip_local_port_range`` cannot be read
+DEFAULT_EPHEMERAL = (32768, 60999)
+_handed_out: set[int] = set()
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The OS's ephemeral port range: where a bind to port 0 and an outgoing connection take their ports."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL
+
+
+def port_is_free(port: int) -> bool:
+    """Whether nothing listens on ``port`` of 127.0.0.1 now (bound and released at once)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A TCP port that is free now, below the OS's ephemeral range, not one of :data:`TRL_PORTS`, and not handed out
+    before by this process.
+
+    Why below the ephemeral range: a child binds its port only once it has started, tens of seconds later (a study
+    wave's runs wait on a lock while each other's engines start). Meanwhile any bind to port 0 on the host (vLLM's
+    engine and NCCL take their sockets that way) may take a port of that range: a learning run's port, 37053, was
+    taken so (EADDRINUSE, GPU suite at 177e135). Random, so that parents of their own (two GPU-suite lanes) seldom
+    pick the same one. Where the range leaves no room below it, the OS picks (a bind to port 0)."""
+    rng = rng or random.SystemRandom()
+    low, _ = ephemeral_ports()
+    if low - LOWEST_PORT >= 1000:
+        for _ in range(200):
+            port = rng.randrange(LOWEST_PORT, low)
+            if port not in TRL_PORTS and port not in _handed_out and port_is_free(port):
+                _handed_out.add(port)
+                return port
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -316,8 +362,8 @@ def free_port() -> int:
 def own_rendezvous(parent: Mapping[str, str]) -> dict[str, str]:
     """``parent`` without its distributed rendezvous, with a port of the child's own. TRL 1.16 picks the first free
     port of a short list (29500, 23456, 12355, ...) and binds it later: trainers started side by side on one host
-    (e2e runs, test lanes, a wave of runs) picked the same one and failed with EADDRINUSE. An OS-picked port each
-    makes that unlikely."""
+    (e2e runs, test lanes, a wave of runs) picked the same one and failed with EADDRINUSE: each child gets one of
+    :func:`free_port`'s instead."""
     env = {k: v for k, v in parent.items() if k not in _RENDEZVOUS_ENV}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return env
