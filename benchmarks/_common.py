@@ -98,7 +98,10 @@ def new_run_id() -> str:
 
 
 def result_envelope(benchmark: str, rows: list, command: str) -> dict:
-    """``{"benchmark", "gpu", "versions", "commit", "command", "rows"}`` for ``benchmarks/results/*.json``."""
+    """``{"benchmark", "gpu", "versions", "commit", "command", "rows"}`` for ``benchmarks/results/*.json``. A row
+    without its own ``commit`` gets the envelope's: rows are merged across files later, and each keeps its commit."""
+    commit = git_commit()
+    rows = [{**r, "commit": commit} if isinstance(r, dict) and "commit" not in r else r for r in rows]
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
     for pkg in ("transformers", "peft", "triton", "trl", "vllm"):
         v = _version(pkg)
@@ -108,7 +111,7 @@ def result_envelope(benchmark: str, rows: list, command: str) -> dict:
         "benchmark": benchmark,
         "gpu": gpu_name(),
         "versions": versions,
-        "commit": git_commit(),
+        "commit": commit,
         "command": command,
         "rows": rows,
     }

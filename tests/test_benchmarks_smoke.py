@@ -56,3 +56,13 @@ def test_every_measured_row_of_the_committed_results_names_its_commit():
         if bad:
             missing[os.path.basename(path)] = len(bad)
     assert not missing, f"rows without a commit: {missing}"
+
+
+def test_a_result_file_stamps_rows_without_a_commit_with_its_own(monkeypatch):
+    """e2e_step.py's rows came back without a commit each (the envelope had it): a later merge would lose it."""
+    from benchmarks import _common
+
+    monkeypatch.setenv("QERL_COMMIT", "a" * 40)
+    env = _common.result_envelope("x", [{"arm": "a"}, {"arm": "b", "commit": "b" * 40}], "cmd")
+    assert env["commit"] == "a" * 40
+    assert [r["commit"] for r in env["rows"]] == ["a" * 40, "b" * 40]

@@ -193,23 +193,27 @@ def test_the_fused_pass_table_is_the_json_rows():
 
 
 def test_the_fused_pass_beside_trl_table_is_the_json_rows():
-    ((before, header, body),) = _tables("| arm (7B, 8 × 8 × 512, sleep mode) |")
+    ((before, header, body),) = _tables("| 7B setting, arm |")
     assert header[1:] == ["run (commit)", "step", "rollout / sync / training pass", "peak", "TRL ÷ this"]
     rows = _rows("e2e_step-h200.json")
     arms = {"TRL BF16 LoRA": ("trl_bf16", False), "QeRL, fused pass off": ("qerl_single_lora", False),
             "QeRL, fused pass on": ("qerl_single_lora", True)}  # fmt: skip
     for cells in body:
+        setting, arm_text = cells[0].split(": ")
+        prompts, generations, length, sleep = re.fullmatch(r"(\d+) × (\d+) × (\d+), (sleep|no sleep)", setting).groups()
         run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
-        arm, fused = arms[cells[0]]
+        arm, fused = arms[arm_text]
         (row,) = [r for r in rows if r.get("run") == run and r["arm"] == arm and bool(r.get("fused_is")) == fused]
-        assert row["status"] == "ok" and row["commit"].startswith(commit) and row["sleep"] and row["prompts"] == 8
+        assert row["status"] == "ok" and row["commit"].startswith(commit) and row["size"] == "7b"
+        assert (row["prompts"], row["generations"], row["completion_len"], row["sleep"]) == (
+            int(prompts), int(generations), int(length), sleep == "sleep")
         step, low, high = NUMBER.findall(cells[2])
         assert _close(step, row["step_s"]) and _close(low, row["step_s_min"]) and _close(high, row["step_s_max"])
         rollout, sync, rest = NUMBER.findall(cells[3])
         assert _close(rollout, row["rollout_s"]) and _close(sync, row["sync_s"]) and _close(rest, row["train_s"])
         assert _close(NUMBER.findall(cells[4])[0], row["peak_gib"])
         assert _close(NUMBER.findall(cells[5])[0], row["speedup_vs_trl_bf16"])
-    assert len(body) == 3
+    assert len(body) == 8
 
 
 def test_the_moe_rollout_table_is_the_json_rows():
@@ -227,3 +231,35 @@ def test_the_moe_rollout_table_is_the_json_rows():
         assert _close(tps, fp4["tokens_per_s"]) and _close(ratio, fp4["vs_bf16_merged"])
         assert fp4["expert_kernels"] == {"CompressedTensorsW4A4Nvfp4MoEMethod (MarlinExperts)": 48}
     assert len(body) == 3
+
+
+def test_the_moe_step_table_is_the_json_rows():
+    ((before, header, body),) = _tables("| 30B-A3B arm |")
+    assert header[1:] == ["run (commit)", "step", "rollout / sync / training pass", "peak", "trainer start"]
+    rows = [r for r in _rows("e2e_step-h200.json") if r["size"] == "30b-a3b"]
+    qerl, trl = body
+    run, commit = re.fullmatch(r"(\S+) \((\w+)\)", qerl[1]).groups()
+    (row,) = [r for r in rows if r.get("run") == run and r["arm"] == "qerl_single_lora"]
+    assert row["status"] == "ok" and row["commit"].startswith(commit) and row["sleep"] and row["card_gib"] == 80
+    step, low, high = NUMBER.findall(qerl[2])
+    assert _close(step, row["step_s"]) and _close(low, row["step_s_min"]) and _close(high, row["step_s_max"])
+    assert [_close(c, row[k]) for c, k in zip(NUMBER.findall(qerl[3]), ("rollout_s", "sync_s", "train_s"))] == [True] * 3
+    assert _close(NUMBER.findall(qerl[4])[0], row["peak_gib"]) and _close(NUMBER.findall(qerl[5])[0], row["init_s"])
+    (oom,) = [r for r in rows if r["arm"] == "trl_bf16" and r["commit"].startswith(trl[1].split("(")[1][:7])]
+    assert oom["status"].startswith("oom") and trl[2] == "out of memory" and _close(trl[5].split()[0], oom["init_s"])
+
+
+def test_the_moe_expert_pass_table_is_the_json_rows():
+    ((before, header, body),) = _tables("| tokens | arm | forward |")
+    arms = {"BF16, transformers' grouped GEMM (TRL's arm)": "bf16_grouped_mm",
+            "BF16, transformers' per-expert loop": "bf16_eager", "NVFP4, grouped (QeRL)": "nvfp4_grouped",
+            "NVFP4, per-expert loop": "nvfp4_loop"}  # fmt: skip
+    rows = {(r["tokens"], r["arm"]): r for r in _rows("moe_expert_pass-h200.json")}
+    for cells in body:
+        row = rows[(int(cells[0]), arms[cells[1]])]
+        assert row["status"] == "ok"
+        assert _close(NUMBER.findall(cells[2])[0], row["fwd_ms"])
+        total, low, high = NUMBER.findall(cells[3])
+        assert _close(total, row["fwd_bwd_ms"]) and _close(low, row["fwd_bwd_ms_min"])
+        assert _close(high, row["fwd_bwd_ms_max"]) and _close(NUMBER.findall(cells[4])[0], row["peak_gib"])
+    assert len(body) == len(rows) == 8
