@@ -5,7 +5,13 @@ level 1, 3 steps, under each LoRA backend.
 Checks, as ``test_real_shape_colocate`` makes them for a dense model: the loss is finite, the LoRA (on the attention)
 moves, the packed experts do not, vLLM serves the experts as NVFP4 (its expert method is named), AQN's σ is realized in
 vLLM's norms, the rollout guard stays quiet, and after a sync vLLM's log-probs of a fixed completion match the
-trainer's, with the adapter moving them. ``pytest -m vllm`` on the GPU machine (``gpu_suite.py moe``).
+trainer's, with the adapter moving them. Then, with the noise-free norms and the adapter synced, vLLM routes a fixed
+sequence's tokens to the experts the trainer's routers pick (``qerl_trl.trainer.moe_routing``, vLLM's routing
+capture on): every (token, layer) that differs must be a near-tie of the trainer's router logits
+(:data:`ROUTING_TIE_GAP` logit standard deviations), and most must agree (:data:`ROUTING_SAME_MIN`). Both bounds are
+first estimates, set before the check first ran on a GPU: a wrong expert order or router would route about a
+quarter of the choices alike (4 of 16 experts), noise left in vLLM's norms would move choices far from ties.
+``pytest -m vllm`` on the GPU machine (``gpu_suite.py moe``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 WORK = os.environ.get("QERL_E2E_WORK", "/tmp/qerl-e2e")
 #: small enough to write in seconds, large enough for vLLM's NVFP4 MoE kernels (sizes multiples of 128)
+ROUTING_SAME_MIN = 0.8  # fraction of (token, layer) pairs whose experts are the same set
+ROUTING_TIE_GAP = 0.25  # largest trainer-logit gap (in logit standard deviations) at which the two may differ
 SHAPE = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64)  # fmt: skip
 
@@ -50,7 +58,7 @@ def _job(lora_backend: str, tmp_path) -> None:
         num_generations=4, max_completion_length=96, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.3, vllm_max_model_length=256, vllm_enable_sleep_mode=True, aqn=True,
         aqn_sigma_start=1e-2, aqn_sigma_end=1e-3, aqn_num_stages=3, learning_rate=1e-4, vllm_lora_backend=lora_backend,
-        experimental_moe=True, nvfp4_cache_dir=str(tmp_path / "cache"),
+        experimental_moe=True, nvfp4_cache_dir=str(tmp_path / "cache"), vllm_return_routed_experts=True,
     )  # fmt: skip
 
     def reward(completions, **kw):
@@ -67,6 +75,19 @@ def _job(lora_backend: str, tmp_path) -> None:
     experts, lora0 = train_and_check(trainer, NVFP4Experts, "gate_up_packed", (1e-2, 1e-3, 3))
     assert len(experts) == SHAPE["num_hidden_layers"]
     assert lora0 and all("self_attn" in n for n in lora0), "the LoRA is on the attention only"
+
+    # the noise-free norms and the trained adapter are in the engine (the log-prob check synced them)
+    import json
+
+    import torch
+
+    from qerl_trl.trainer.moe_routing import check_routing
+
+    ids = torch.randint(10, tok.vocab_size, (96,), generator=torch.Generator().manual_seed(3)).tolist()
+    routing = check_routing(trainer, ids)
+    print("routing check:", json.dumps(routing))
+    assert routing["layers"] == SHAPE["num_hidden_layers"] and routing["tokens"] == len(ids), routing
+    assert routing["same_experts"] >= ROUTING_SAME_MIN and routing["max_tie_gap"] <= ROUTING_TIE_GAP, routing
 
 
 if __name__ == "__main__":  # one backend's job in a fresh process (see the test)

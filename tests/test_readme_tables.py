@@ -200,7 +200,8 @@ def test_the_fused_pass_beside_trl_table_is_the_json_rows():
             "QeRL, fused pass on": ("qerl_single_lora", True)}  # fmt: skip
     for cells in body:
         setting, arm_text = cells[0].split(": ")
-        prompts, generations, length, sleep = re.fullmatch(r"(\d+) × (\d+) × (\d+), (sleep|no sleep)", setting).groups()
+        shape = re.fullmatch(r"(\d+) × (\d+) × (\d+), (sleep|no sleep)", setting)
+        prompts, generations, length, sleep = shape.groups()
         run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
         arm, fused = arms[arm_text]
         (row,) = [r for r in rows if r.get("run") == run and r["arm"] == arm and bool(r.get("fused_is")) == fused]
@@ -243,7 +244,8 @@ def test_the_moe_step_table_is_the_json_rows():
     assert row["status"] == "ok" and row["commit"].startswith(commit) and row["sleep"] and row["card_gib"] == 80
     step, low, high = NUMBER.findall(qerl[2])
     assert _close(step, row["step_s"]) and _close(low, row["step_s_min"]) and _close(high, row["step_s_max"])
-    assert [_close(c, row[k]) for c, k in zip(NUMBER.findall(qerl[3]), ("rollout_s", "sync_s", "train_s"))] == [True] * 3
+    parts = zip(NUMBER.findall(qerl[3]), ("rollout_s", "sync_s", "train_s"), strict=True)
+    assert all(_close(c, row[k]) for c, k in parts)
     assert _close(NUMBER.findall(qerl[4])[0], row["peak_gib"]) and _close(NUMBER.findall(qerl[5])[0], row["init_s"])
     (oom,) = [r for r in rows if r["arm"] == "trl_bf16" and r["commit"].startswith(trl[1].split("(")[1][:7])]
     assert oom["status"].startswith("oom") and trl[2] == "out of memory" and _close(trl[5].split()[0], oom["init_s"])

@@ -100,9 +100,14 @@ class QeRLGRPOConfig(GRPOConfig):
             Train a Qwen3-MoE policy (16-bit or NVFP4A16 checkpoint, or model): its routed experts in NVFP4
             (`NVFP4Experts`, packed on load or read packed, frozen), its attention in NVFP4 with the LoRA
             (`"all-linear"` reaches no expert or router; other targets off the attention are refused), the router
-            16-bit. Its vLLM colocate path passed the GPU suite's checks on a small Qwen3-MoE with the `"qerl"`
-            backend; no full-size step is measured yet (issue #54). Without it a MoE model is refused before
-            anything loads.
+            16-bit. Its vLLM colocate path passed the GPU suite's checks on a small Qwen3-MoE with both LoRA
+            backends, and a Qwen3-30B-A3B-shaped step ran on an H200 (docs/benchmarks.md). Without it a MoE model is
+            refused before anything loads.
+        vllm_return_routed_experts (`bool`, defaults to `False`):
+            With `experimental_moe` and vLLM colocate: the engine records the experts it routes each token to
+            (vLLM's `enable_return_routed_experts`), so `qerl_trl.trainer.moe_routing.check_routing(trainer,
+            token_ids)` can compare them, token by token and layer by layer, with the trainer's router. A check of
+            the serving path, off in training: it costs a few bytes per token and layer.
 
         > Training pass
 
@@ -212,6 +217,11 @@ class QeRLGRPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "Train a Qwen3-MoE policy (experts in NVFP4, LoRA on the attention); experimental."},
     )
+    vllm_return_routed_experts: bool = field(
+        default=False,
+        metadata={"help": "MoE policies in colocate mode: the vLLM engine records the experts it routes each token to, "
+                  "so qerl_trl.trainer.moe_routing.check_routing can compare them with the trainer's router."},
+    )
     fused_importance_sampling: bool | None = field(
         default=False,
         metadata={"help": "Build vLLM's importance-sampling ratio from each micro-batch's training forward instead of "
@@ -230,6 +240,13 @@ class QeRLGRPOConfig(GRPOConfig):
                 raise ValueError(f"fused_importance_sampling=True cannot run here: {why}.")
         if self.use_vllm and self.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
+        if self.vllm_return_routed_experts and not (self.experimental_moe and self.use_vllm
+                                                    and self.vllm_mode == "colocate"):  # fmt: skip
+            raise ValueError(
+                "vllm_return_routed_experts=True records a mixture-of-experts policy's routing in the trainer's own "
+                "vLLM engine: it needs experimental_moe=True, use_vllm=True and vllm_mode='colocate'. Leave it off "
+                "otherwise."
+            )
 
     def _check_qerl_options(self) -> None:
         """Every QeRL option in its valid range, with a message that gives the range, before any model loads."""

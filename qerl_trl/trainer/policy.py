@@ -233,7 +233,10 @@ def check_vllm_layout(config: Any, args: QeRLGRPOConfig) -> None:
     """Colocate mode: refuse a ``vllm_tensor_parallel_size`` vLLM cannot shard this model over, or that does not
     divide the number of processes, before any weight loads (vLLM would refuse it only once the engine starts,
     after the trainer has loaded the model). Server mode: the server's own setting. Either mode: a MoE model cannot
-    run whole on Humming (``check_humming_for_experts``)."""
+    run whole on Humming (``check_humming_for_experts``). ``vllm_return_routed_experts`` needs routed experts."""
+    if args.vllm_return_routed_experts and not moe_expert_count(config):
+        raise ValueError("vllm_return_routed_experts=True records a mixture-of-experts policy's routing; this "
+                         f"{getattr(config, 'model_type', 'dense')} model has no routed experts. Leave it off for it.")
     if args.use_vllm:
         from ..vllm_plugin.fp4_kernel import check_humming_for_experts
 

@@ -82,6 +82,7 @@ def make_qerl_vllm_generation_class():
             engine_lora = self.lora_backend.engine_kwargs(self.model)
             # AQN's norms kept float32 by the plugin's load hook, as in a `qerl-trl vllm-serve` engine
             overrides = engine_norm_overrides(spec.fp32_norm_names, engine_lora.pop("hf_overrides", None))
+            routing = {"enable_return_routed_experts": True} if spec.return_routed_experts else {}
             t0 = time.perf_counter()
             llm = LLM(
                 model=spec.checkpoint,
@@ -102,6 +103,7 @@ def make_qerl_vllm_generation_class():
                 hf_overrides=overrides,
                 additional_config=compile_cache_marker(spec.fp32_norm_names, overrides),
                 **engine_lora,
+                **routing,
             )
             self.engine_start_seconds = time.perf_counter() - t0
             logger.info("vLLM engine started in %.1f s (FP4 kernel: %s, LoRA backend: %s)", self.engine_start_seconds,
