@@ -31,7 +31,8 @@ the steps after the first (``--steps 6``: five measured steps; ``step_s_min`` / 
 generation), ``sync_s`` (the trainer's weight/adapter push into vLLM; QeRL rows split it by phase in
 ``sync_phases_per_step``; ``QERL_E2E_PROFILE_SYNC=1`` adds its cProfile as ``sync_profile``), ``train_s`` (the rest:
 log-probs, loss, backward, optimizer), ``peak_gib`` (device memory in use, sampled every 20 ms by NVML during the
-training steps: vLLM's pools included) and ``torch_peak_gib``. An OOM or a failure is a row with its ``status``.
+training steps: vLLM's pools included; ``peak_gib_by_phase``: the same in the rollouts, the syncs and the rest) and
+``torch_peak_gib``. An OOM or a failure is a row with its ``status``.
 Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the arms back to back), and
 ``speedup_vs_trl_bf16`` is computed only against the TRL row of the same run.
 
@@ -201,12 +202,32 @@ def nvml_handle(nvml: Any, device_index: int) -> Any:
 
 
 class _PeakMemory:
-    """Device memory in use (NVML, every 20 ms, the whole GPU: vLLM's pools included) between start() and stop()."""
+    """Device memory in use (NVML, every 20 ms, the whole GPU: vLLM's pools included) between start() and stop(),
+    overall and by phase of the step: :class:`_Timed` methods switch :attr:`phase` while they run ("rollout",
+    "sync"; "train" otherwise), so a row says whether its peak came with the engine awake beside the trainer or in
+    the training pass (issue #54: the 30B-A3B row's 62.9 GiB)."""
 
     def __init__(self, interval: float = 0.02, device_index: int = 0):
         self.interval, self.peak, self._stop = interval, 0, threading.Event()
         self.device_index = device_index
         self._thread: threading.Thread | None = None
+        self.phase = "train"
+        self.by_phase: dict[str, int] = {}
+
+    def sample(self) -> None:
+        used = self._used()
+        self.peak = max(self.peak, used)
+        self.by_phase[self.phase] = max(self.by_phase.get(self.phase, 0), used)
+
+    def enter(self, phase: str) -> str:
+        """Samples the phase that ends, then switches to ``phase``; returns the phase it left."""
+        if self._thread is not None and not self._stop.is_set():
+            self.sample()
+        left, self.phase = self.phase, phase
+        return left
+
+    def by_phase_gib(self) -> dict[str, float]:
+        return {phase: round(used / 2**30, 2) for phase, used in sorted(self.by_phase.items())}
 
     def _used(self) -> int:
         import torch
@@ -228,11 +249,11 @@ class _PeakMemory:
             self._nvml, self._handle = pynvml, nvml_handle(pynvml, self.device_index)
         except Exception:  # no NVML: torch's view of the device
             self._nvml = None
-        self.peak = self._used()
+        self.sample()
 
         def loop():
             while not self._stop.wait(self.interval):
-                self.peak = max(self.peak, self._used())
+                self.sample()
 
         self._thread = threading.Thread(target=loop, daemon=True)
         self._thread.start()
@@ -242,7 +263,7 @@ class _PeakMemory:
         if self._thread is not None:
             self._thread.join()
         if self._thread is not None:
-            self.peak = max(self.peak, self._used())
+            self.sample()
         return self.peak / 2**30
 
 
@@ -254,20 +275,24 @@ def _sync() -> None:
 
 
 class _Timed:
-    """Wraps a bound method: CUDA-synchronized wall time of each call, accumulated until ``take()``."""
+    """Wraps a bound method: CUDA-synchronized wall time of each call, accumulated until ``take()``; with ``memory``,
+    the calls are that sampler's ``phase``."""
 
-    def __init__(self, obj: Any, name: str):
+    def __init__(self, obj: Any, name: str, memory: _PeakMemory | None = None, phase: str = ""):
         self.total = 0.0
         original = getattr(obj, name)
 
         def wrapped(*a, **kw):
             _sync()
+            left = memory.enter(phase) if memory is not None else None
             t0 = time.perf_counter()
             try:
                 return original(*a, **kw)
             finally:
                 _sync()
                 self.total += time.perf_counter() - t0
+                if memory is not None:
+                    memory.enter(left)
 
         setattr(obj, name, wrapped)
 
@@ -482,9 +507,9 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
         profile = None
         if gen is not None:
             profile = _profile_calls(gen, "sync_weights") if os.environ.get("QERL_E2E_PROFILE_SYNC") else None
-            sync_t, roll_t = _Timed(gen, "sync_weights"), _Timed(gen, "generate")
+            sync_t, roll_t = _Timed(gen, "sync_weights", mem, "sync"), _Timed(gen, "generate", mem, "rollout")
         else:
-            sync_t, roll_t = None, _Timed(trainer, "_generate_single_turn")
+            sync_t, roll_t = None, _Timed(trainer, "_generate_single_turn", mem, "rollout")
         per_step: list[dict] = []
         sync_phases: list[dict] = []
 
@@ -509,6 +534,7 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
         trainer.train()
         row["train_wall_s"] = round(time.perf_counter() - t1, 1)
         row["peak_gib"] = round(mem.stop(), 2)
+        row["peak_gib_by_phase"] = mem.by_phase_gib()
         if torch.cuda.is_available():
             row["torch_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     except BaseException as e:  # noqa: BLE001 - every failure is a row

@@ -256,3 +256,24 @@ def test_humming_cache_entries_count_the_compiled_kernels(tmp_path, monkeypatch)
     for h in ("a1", "b2", "c3"):
         (tmp_path / "cache" / h).mkdir(parents=True)
     assert e2e.humming_cache_entries() == 3
+
+
+def test_the_memory_peak_is_kept_by_phase_of_the_step():
+    """Issue #54: the 30B-A3B row peaked at 62.9 GiB, and nothing said whether in the rollout (the engine awake beside
+    the trainer) or in the training pass. Each ``_Timed`` call is its sampler's phase while it runs."""
+    mem = e2e._PeakMemory()
+    readings = iter([10, 30, 20, 25, 40, 5])
+    mem._used = lambda: next(readings) * 2**30
+    mem._thread = object()  # sampling as if started (no GPU here)
+
+    class Engine:
+        def generate(self):
+            mem.sample()  # a reading while the engine decodes
+
+    engine = Engine()
+    timed = e2e._Timed(engine, "generate", mem, "rollout")
+    mem.sample()  # 10 in the training pass
+    engine.generate()  # enter: 30 ends "train"; inside: 20; leave: 25 ends "rollout"
+    mem.sample()  # 40 in the training pass again
+    assert mem.phase == "train" and timed.total > 0
+    assert mem.by_phase_gib() == {"rollout": 25.0, "train": 40.0} and mem.peak == 40 * 2**30
