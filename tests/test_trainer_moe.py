@@ -80,7 +80,7 @@ def test_whole_model_humming_on_a_moe_is_refused_before_anything_loads():
 
     def args(**kw):
         return SimpleNamespace(**{"use_vllm": True, "vllm_mode": "server", "vllm_lora_backend": "vllm",
-                                  "vllm_fp4_kernel": "humming", **kw})  # fmt: skip
+                                  "vllm_fp4_kernel": "humming", "vllm_return_routed_experts": False, **kw})  # fmt: skip
 
     with pytest.raises(ValueError, match=r"Humming MoE method.*vllm_fp4_kernel='auto'.*vllm_lora_backend='qerl'"):
         check_vllm_layout(qwen3, args())
