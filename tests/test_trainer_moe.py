@@ -53,6 +53,13 @@ def test_a_qwen3_moe_policy_trains_its_attention_lora_over_nvfp4_experts(moe_che
     assert any(not torch.equal(p.detach(), lora[n]) for n, p in model.named_parameters() if n in lora)
     assert all(torch.equal(p.detach(), packed[n]) for n, p in model.named_parameters() if n in packed)
     assert any("aqn/sigma" in h for h in trainer.state.log_history)
+    # the routing check's trainer side reads the trained policy's routers through PEFT and the packed experts
+    from qerl_trl.trainer.moe_routing import trainer_routing
+
+    model.eval()
+    indices, logits = trainer_routing(model, torch.tensor([5, 9, 11, 3]))
+    assert indices.shape == (4, 2, model.config.num_experts_per_tok) and logits.shape[:2] == (4, 2)
+    assert torch.equal(indices.sort(-1).values, logits.topk(indices.shape[-1]).indices.sort(-1).values)
 
 
 def test_only_qwen3_moe_passes_the_architecture_check_with_the_option():
