@@ -27,13 +27,9 @@ __all__ = ["check_routing", "routers_of", "routing_agreement", "trainer_routing"
 def routers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The routers of ``model`` in layer order: each MoE block's ``gate`` that returns ``(logits, weights, indices)``
     (transformers 5.17's ``Qwen3MoeTopKRouter``: a ``top_k`` and an ``[experts, hidden]`` weight)."""
-    out = []
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if name.endswith("mlp.gate") and isinstance(getattr(module, "top_k", None), int) and weight is not None:
-            if weight.dim() == 2:
-                out.append((name, module))
-    return out
+    return [(name, module) for name, module in model.named_modules()
+            if name.endswith("mlp.gate") and isinstance(getattr(module, "top_k", None), int)
+            and getattr(getattr(module, "weight", None), "ndim", 0) == 2]  # fmt: skip
 
 
 def trainer_routing(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +68,7 @@ def vllm_routing(llm: Any, token_ids: Sequence[int], lora_request: Any = None) -
     ``vllm.LLM`` started with ``enable_return_routed_experts=True``."""
     from vllm import SamplingParams
 
-    if hasattr(llm, "reset_prefix_cache"):  # cached prompt blocks would return routing computed before a sync
-        llm.reset_prefix_cache()
+    llm.reset_prefix_cache()  # cached prompt blocks would return routing computed before a sync
     out = llm.generate([{"prompt_token_ids": list(token_ids)}], SamplingParams(max_tokens=1, temperature=0.0),
                        lora_request=lora_request, use_tqdm=False)  # fmt: skip
     routed = out[0].outputs[0].routed_experts
