@@ -21,7 +21,9 @@ because a random model almost never samples EOS, so every arm does the same work
 An arm may run at its own settings: ``ARM:mbN`` (N completions per micro-batch instead of ``MICRO_BATCH``'s),
 ``ARM:nogc`` (no gradient checkpointing) and, for QeRL arms, ``ARM:fis`` (``fused_importance_sampling=True``),
 e.g. ``--arms trl_bf16:mb16 qerl_single_lora:mb16:fis``; the row names them, and the speed-up's baseline is TRL's
-fastest setting of the run.
+fastest setting of the run. ``qerl_single_lora:ahead`` sets ``vllm_humming_compile_ahead=True``; with
+``--cold-humming`` every QeRL row starts on an empty Humming cache of its own (``init_s`` is then a first start's
+on this machine, issue #55 item 4).
 
 LoRA r32 (alpha 64) on every linear, gradient checkpointing, bf16, 128-token prompts, AdamW, ``max_steps`` steps
 of one generation round each (``per_device_train_batch_size`` completions per micro-batch, gradient accumulation
@@ -55,6 +57,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -101,12 +104,13 @@ class RowSpec:
     micro_batch: int | None = None  # completions per micro-batch; None: MICRO_BATCH's for the completion length
     grad_ckpt: bool = True  # gradient checkpointing
     fused_is: bool = False  # QeRL arms: fused_importance_sampling
+    humming_ahead: bool = False  # qerl_single_lora: vllm_humming_compile_ahead
 
     @property
     def arm_options(self) -> str:
         """The arm as ``--arms`` names it: ``qerl_single_lora:mb16:nogc:fis``."""
         return (self.arm + (f":mb{self.micro_batch}" if self.micro_batch else "") + ("" if self.grad_ckpt else ":nogc")
-                + (":fis" if self.fused_is else ""))
+                + (":fis" if self.fused_is else "") + (":ahead" if self.humming_ahead else ""))
 
     @property
     def name(self) -> str:
@@ -122,11 +126,12 @@ def parse_arm(text: str) -> dict[str, Any]:
     """``"trl_bf16:mb16:nogc"`` -> ``{"arm": "trl_bf16", "micro_batch": 16, "grad_ckpt": False, "fused_is": False}``:
     an arm of :data:`ARMS`, optionally at another micro-batch (``:mbN``), without gradient checkpointing
     (``:nogc``) or, for a QeRL arm, with ``fused_importance_sampling`` (``:fis``), so each arm can run at its own
-    best settings beside the others."""
+    best settings beside the others; ``qerl_single_lora:ahead``: ``vllm_humming_compile_ahead``."""
     arm, *options = text.split(":")
     if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r} in {text!r}: one of {ARMS}, with :mbN, :nogc and/or :fis")
-    out: dict[str, Any] = {"arm": arm, "micro_batch": None, "grad_ckpt": True, "fused_is": False}
+        raise ValueError(f"unknown arm {arm!r} in {text!r}: one of {ARMS}, with :mbN, :nogc and/or :fis (:ahead)")
+    out: dict[str, Any] = {"arm": arm, "micro_batch": None, "grad_ckpt": True, "fused_is": False,
+                           "humming_ahead": False}
     for option in options:
         if re.fullmatch(r"mb[1-9]\d*", option):
             out["micro_batch"] = int(option[2:])
@@ -134,9 +139,11 @@ def parse_arm(text: str) -> dict[str, Any]:
             out["grad_ckpt"] = False
         elif option == "fis" and arm in QERL_ARMS:
             out["fused_is"] = True
+        elif option == "ahead" and QERL_ARMS.get(arm) == "qerl":
+            out["humming_ahead"] = True
         else:
             raise ValueError(f"unknown arm option {option!r} in {text!r}: :mbN (completions per micro-batch), :nogc "
-                             "or, on a QeRL arm, :fis")
+                             "or, on a QeRL arm, :fis, and on qerl_single_lora :ahead")
     return out
 
 
@@ -405,6 +412,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
                                  "nvfp4_cache_dir": os.path.join(work, "qerl-cache"),
                                  "vllm_lora_backend": QERL_ARMS[spec.arm], **ARM_OPTIONS.get(spec.arm, {}),
                                  "fused_importance_sampling": spec.fused_is, "experimental_moe": moe,
+                                 "vllm_humming_compile_ahead": spec.humming_ahead,
                                  **(overrides or {})})
         return QeRLGRPOTrainer(model=paths["nvfp4"], reward_funcs=_reward, args=args, train_dataset=dataset,
                                processing_class=tok)
@@ -484,6 +492,7 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
     row: dict[str, Any] = dict(size=spec.size, arm=spec.arm, prompts=spec.prompts, generations=spec.generations,
                                completion_len=spec.completion_len, sleep=spec.sleep, generation=spec.generation,
                                micro_batch=spec.micro_batch, grad_ckpt=spec.grad_ckpt, fused_is=spec.fused_is,
+                               humming_ahead=spec.humming_ahead,
                                prompt_len=PROMPT_TOKENS, lora_r=LORA_R, steps=steps,
                                vllm_gpu_memory_utilization=vllm_memory_utilization(spec.size, card_gib))
     if card_gib is not None:
@@ -578,9 +587,9 @@ def _child(spec: RowSpec, work: str, steps: int, out: str, card_gib: float | Non
 
 
 def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float, run: str,
-               card_gib: float | None = None) -> list[dict]:  # fmt: skip
+               card_gib: float | None = None, cold_humming: bool = False) -> list[dict]:  # fmt: skip
     """Each spec in its own child process, one after another; every row is appended to ``jsonl`` as it finishes,
-    tagged with ``run``."""
+    tagged with ``run``. ``cold_humming``: each QeRL row gets an empty ``HUMMING_CACHE_DIR`` of its own."""
     from benchmarks._child import run_child
     from benchmarks._common import gpu_uuid
     from qerl_trl.study.runner import own_rendezvous
@@ -611,7 +620,10 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
                        "--steps", str(steps), "--row-out", out]
                 if card_gib is not None:
                     cmd += ["--card-gib", str(card_gib)]
-                res = run_child(cmd, timeout, env=own_rendezvous(os.environ))  # runs side by side on a host
+                env = own_rendezvous(os.environ)  # runs side by side on a host
+                if cold_humming and spec.arm in QERL_ARMS:
+                    env["HUMMING_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"humming-{run}-", dir=work)
+                res = run_child(cmd, timeout, env=env)
                 if not res.timed_out and os.path.exists(out):
                     with open(out) as f:
                         row = json.load(f)
@@ -684,6 +696,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per row before it is recorded as a timeout")
     ap.add_argument("--card-gib", type=float, default=None, help="on a larger GPU, give vLLM the memory it would "
                     f"get on a card of this many GiB (e.g. {H100_80GB_GIB}: does the row fit an 80 GB H100)")
+    ap.add_argument("--cold-humming", action="store_true", help="each QeRL row starts on an empty Humming kernel "
+                    "cache of its own (a first start on this machine)")
     ap.add_argument("--list", action="store_true", help="print the matrix and exit")
     ap.add_argument("--merge", nargs="*", help="JSONL files of rows to merge into <out-dir>/e2e_step-<gpu>.json")
     ap.add_argument("--gpu-tag", default=None, help="with --merge: the GPU tag of the rows (default: this machine's)")
@@ -735,7 +749,7 @@ def main(argv: list[str] | None = None) -> None:
 
     run = new_run_id()
     write_meta(jsonl, run)
-    rows = run_matrix(specs, a.work, a.steps, jsonl, a.timeout, run, a.card_gib)
+    rows = run_matrix(specs, a.work, a.steps, jsonl, a.timeout, run, a.card_gib, a.cold_humming)
     add_speedups(rows)
     from benchmarks._common import write_result
 

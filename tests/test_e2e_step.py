@@ -172,10 +172,15 @@ def test_peak_memory_reads_the_gpu_torch_runs_on_not_nvmls_index(monkeypatch):
 def test_arms_take_a_micro_batch_and_no_gradient_checkpointing():
     """``--arms trl_bf16:mb16 qerl_single_lora:mb16:nogc``: each arm at its own best settings, named apart in the
     rows, and TRL's fastest setting of a run is every row's baseline."""
-    assert e2e.parse_arm("trl_bf16") == {"arm": "trl_bf16", "micro_batch": None, "grad_ckpt": True, "fused_is": False}
+    assert e2e.parse_arm("trl_bf16") == {"arm": "trl_bf16", "micro_batch": None, "grad_ckpt": True, "fused_is": False,
+                                         "humming_ahead": False}  # fmt: skip
     assert e2e.parse_arm("qerl_single_lora:mb16:nogc:fis") == {"arm": "qerl_single_lora", "micro_batch": 16,
-                                                               "grad_ckpt": False, "fused_is": True}  # fmt: skip
-    for bad in ("trl", "qerl:mb0", "qerl:fast", "trl_bf16:fis"):
+                                                               "grad_ckpt": False, "fused_is": True,
+                                                               "humming_ahead": False}  # fmt: skip
+    assert e2e.parse_arm("qerl_single_lora:ahead")["humming_ahead"]
+    assert e2e.RowSpec("7b", **e2e.parse_arm("qerl_single_lora:fis:ahead"), prompts=2, generations=8,
+                       completion_len=512, sleep=False).arm_options == "qerl_single_lora:fis:ahead"  # fmt: skip
+    for bad in ("trl", "qerl:mb0", "qerl:fast", "trl_bf16:fis", "trl_bf16:ahead", "qerl:ahead"):
         with pytest.raises(ValueError, match="unknown arm"):
             e2e.parse_arm(bad)
     arms = ["trl_bf16", "trl_bf16:mb16", "qerl_single_lora:mb16:nogc", "qerl_single_lora:mb16:fis"]
@@ -256,6 +261,40 @@ def test_humming_cache_entries_count_the_compiled_kernels(tmp_path, monkeypatch)
     for h in ("a1", "b2", "c3"):
         (tmp_path / "cache" / h).mkdir(parents=True)
     assert e2e.humming_cache_entries() == 3
+
+
+def test_cold_humming_gives_each_qerl_row_an_empty_kernel_cache_of_its_own(tmp_path, monkeypatch):
+    """``--cold-humming``: every QeRL row's child starts on an empty ``HUMMING_CACHE_DIR`` of its own (so its
+    ``init_s`` is a first start's, issue #55 item 4), TRL's rows on the machine's own."""
+    from benchmarks import _child
+
+    seen = []
+
+    def fake_child(cmd, timeout, env):
+        spec = json.loads(cmd[cmd.index("--child") + 1])
+        cache = env.get("HUMMING_CACHE_DIR")
+        seen.append((spec["arm"], cache))
+        if cache:
+            assert os.listdir(cache) == []
+            open(os.path.join(cache, "kernel"), "w").close()  # this row's compile, not seen by the next
+        row = dict(spec, status="ok", step_s=1.0)
+        with open(cmd[cmd.index("--row-out") + 1], "w") as f:
+            json.dump(row, f)
+        return _child.ChildResult(0, False, 60.0, "", 1.0)
+
+    monkeypatch.setattr(_child, "run_child", fake_child)
+    monkeypatch.setattr(e2e.subprocess, "run", lambda *a, **k: e2e.subprocess.CompletedProcess(a, 0, "{}", ""))
+    monkeypatch.delenv("HUMMING_CACHE_DIR", raising=False)
+    arms = ["trl_bf16", "qerl_single_lora:ahead", "qerl_single_lora"]
+    specs = e2e.select(e2e.default_matrix(arms), ["7b"], arms, ["2x8-512-nosleep"])
+    rows = e2e.run_matrix(specs, str(tmp_path), 2, str(tmp_path / "rows.jsonl"), 60, "r1", cold_humming=True)
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    assert seen[0] == ("trl_bf16", None)
+    caches = [c for _, c in seen[1:]]
+    assert len(set(caches)) == 2 and all(c.startswith(str(tmp_path)) for c in caches)
+    seen.clear()
+    e2e.run_matrix(specs, str(tmp_path), 2, str(tmp_path / "rows.jsonl"), 60, "r2")
+    assert [c for _, c in seen] == [None, None, None]
 
 
 def test_the_memory_peak_is_kept_by_phase_of_the_step():

@@ -112,3 +112,33 @@ def test_each_backend_asks_vllm_for_the_resolved_kernel(tmp_path, caplog, monkey
     assert resolve_fp4_kernel("auto", "vllm", str(tmp_path)).kernel == "marlin"
     with pytest.raises(ImportError, match="pip install"):
         fp4_kernel_choice.require_humming_if_forced("humming")
+
+
+def test_humming_compile_ahead_reaches_the_engine_spec_only_on_humming_in_layer_and_is_refused_elsewhere(tmp_path,
+                                                                                                        monkeypatch):
+    """QeRLGRPOConfig(vllm_humming_compile_ahead=True) puts "humming_ahead" in the in-layer method's spec when the
+    engine runs Humming (a new compile-cache key), nothing on Marlin; with vLLM's own LoRA it is refused."""
+    from qerl_trl import QeRLGRPOConfig
+    from qerl_trl.trainer.vllm_serving import InLayerLoRABackend, VLLMServingSpec
+    from qerl_trl.trainer.vllm_serving import in_layer_lora
+    from qerl_trl.vllm_plugin import LORA_KEY, lora_quantization_overrides
+
+    common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert QeRLGRPOConfig(**common).vllm_humming_compile_ahead is False
+    assert QeRLGRPOConfig(**common, vllm_humming_compile_ahead=True).vllm_humming_compile_ahead is True
+    with pytest.raises(ValueError, match="vllm_humming_compile_ahead=True works in QeRL's in-layer LoRA method"):
+        QeRLGRPOConfig(**common, vllm_humming_compile_ahead=True, vllm_lora_backend="vllm")
+
+    ct = {"quantization_config": {"quant_method": "compressed-tensors"}}
+    plain = lora_quantization_overrides(ct, 8, ["q_proj"], "humming")["quantization_config"][LORA_KEY]
+    ahead = lora_quantization_overrides(ct, 8, ["q_proj"], "humming", humming_ahead=True)["quantization_config"][LORA_KEY]
+    assert "humming_ahead" not in plain and ahead == {**plain, "humming_ahead": True}
+
+    asked = []
+    monkeypatch.setattr(in_layer_lora, "single_lora_engine_kwargs",
+                        lambda ckpt, model, kernel, humming_ahead=False: asked.append((kernel, humming_ahead)))
+    for kernel, on, want in [("humming", True, True), ("marlin", True, False), ("humming", False, False)]:
+        spec = VLLMServingSpec(checkpoint=str(tmp_path), tokenizer=str(tmp_path), max_lora_rank=8, fp4_kernel=kernel,
+                               humming_ahead=on)  # fmt: skip
+        InLayerLoRABackend(spec).engine_kwargs(None)
+        assert asked[-1] == (kernel, want)

@@ -101,11 +101,13 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             return PlainMethod()
 
     fp4_kernel = "marlin"
+    ahead = mode.endswith("+ahead")  # Humming's kernels compiled ahead, for the engine's rows only
+    mode = mode.removesuffix("+ahead")
     if mode.endswith("+humming"):  # Humming where the shape fits (o, gate_up, down), Marlin for qkv (k/v: 64 rows)
         fp4_kernel = "humming"
         mode = mode.removesuffix("+humming")
         if device == "cpu":
-            _stand_in_humming()
+            _stand_in_humming(ahead)
     dtype = torch.float32 if mode == "plain" else torch.bfloat16
     torch.set_default_dtype(dtype)
     torch.set_float32_matmul_precision("highest")  # plain mode compares fp32 to 1e-5: no TF32 on a GPU
@@ -128,7 +130,7 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
                 _dequantizing_nvfp4_kernel()
             ct = {"quantization_config": compressed_tensors_config([])}
             q = QeRLNVFP4LoRAConfig.from_config(
-                lora_quantization_overrides(ct, RANK, targets, fp4_kernel)["quantization_config"])
+                lora_quantization_overrides(ct, RANK, targets, fp4_kernel, humming_ahead=ahead)["quantization_config"])
             q.packed_modules_mapping = packed
         qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.qkv_proj")
         o = RowParallelLinear(HEADS * HEAD, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.o_proj")
@@ -157,6 +159,8 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             got = fp4_kernels_of(nn.ModuleDict({"qkv": qkv, "o": o, "gate_up": gate_up, "down": down}))
             assert got["o"] == got["gate_up"] == got["down"] == "humming", got
             assert got["qkv"].startswith("marlin: ") and "not a multiple of 128" in got["qkv"], got
+            if ahead:
+                _check_humming_ahead(q, {"o": o, "gate_up": gate_up, "down": down}, qkv)
 
         tree = nn.Module()
         tree.model = nn.Module()
@@ -207,6 +211,29 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
     results.put((tp_rank, {k: float(v) for k, v in errs.items()}, filled, lora_moves))
 
 
+def _check_humming_ahead(config, humming_layers: dict, marlin_layer) -> None:
+    """Every Humming layer runs the table cut at the engine's row budget (its last interval open-ended), and the
+    background thread compiled each distinct layer's kernels once, without a failure; the Marlin layer has none."""
+    import json
+
+    from vllm.config import get_current_vllm_config
+
+    from qerl_trl.vllm_plugin.humming_ahead import ANY_ROWS
+
+    budget = get_current_vllm_config().scheduler_config.max_num_batched_tokens
+    ahead = config.humming_ahead
+    assert ahead is not None and ahead.max_rows == budget, (ahead, budget)
+    for name, layer in humming_layers.items():
+        method = layer.quant_method.inner  # SingleLoRALinearMethod over FP4KernelByShape
+        assert method.ahead is ahead and method.tuning_config is not None, name
+        table = json.loads(method.tuning_config)
+        assert table[-1][1] == ANY_ROWS and all(lo < budget for lo, _, _ in table), (name, table)
+    assert marlin_layer.quant_method.inner.tuning_config is None
+    ahead.kernels.wait()
+    assert not ahead.kernels.failed, ahead.kernels.failed
+    assert len(ahead.kernels.done) == 3, ahead.kernels.done  # o, gate_up and down: three shapes
+
+
 def _load_nvfp4(full: dict, layer, shards) -> None:
     """Quantize the layer's full weights (one global scale per packed layer, as our checkpoints do), load them through
     vLLM's weight loaders, and keep the dequantized weights in ``full`` as the reference."""
@@ -245,12 +272,34 @@ def _dequantizing_nvfp4_kernel() -> None:
     ct.init_nvfp4_linear_kernel = lambda use_a16=False: DequantKernel()
 
 
-def _stand_in_humming() -> None:
+def _stand_in_humming(ahead: bool = False) -> None:
     """On CPU (no Humming kernels): the compressed-tensors scheme's own weights and dequantizing forward, under the
-    class name of vLLM's Humming method, so the per-shape dispatch, its weight loader and the LoRA on top run."""
+    class name of vLLM's Humming method, so the per-shape dispatch, its weight loader and the LoRA on top run.
+    ``ahead``: Humming's layer config, tuning table, compile and forward stand-ins for :mod:`.humming_ahead` (a
+    table reaching 8192 rows; the forward checks that it gets the layer's cut table)."""
+    import json
+
     from vllm.model_executor.layers.linear import LinearMethodBase
 
+    from qerl_trl.vllm_plugin import humming_ahead
     from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
+
+    class Meta:
+        def __init__(self, shape):
+            self.shape = shape
+
+        def to_str(self):
+            return json.dumps({"shape": self.shape})
+
+    def table(layer_config, compute_config, device):
+        assert compute_config == '{"gemm_type": "dense"}', compute_config
+        return [[0, 8, {"block": 8}], [8, 1024, {"block": 64}], [1024, 4096, {"block": 128}],
+                [4096, 1 << 30, {"block": 256}]]  # fmt: skip
+
+    def forward(layer, x, compute_config, tuning_config):
+        method = layer.quant_method.inner
+        assert tuning_config == method.tuning_config is not None
+        return method.chosen.apply(layer, x)
 
     class HummingLinearMethod(LinearMethodBase):
         def __init__(self, scheme):
@@ -265,11 +314,17 @@ def _stand_in_humming() -> None:
 
         def process_weights_after_loading(self, layer):
             self.scheme.process_weights_after_loading(layer)
+            self.compute_config = '{"gemm_type": "dense"}'
+            layer.humming_metas = {"": Meta([layer.output_size_per_partition, layer.input_size_per_partition])}
 
         def apply(self, layer, x, bias=None):
             return self.scheme.apply_weights(layer, x, bias=bias)
 
     QeRLNVFP4LoRAConfig.humming_method = lambda self, layer, prefix: HummingLinearMethod(layer.scheme)
+    if ahead:
+        humming_ahead._humming_table = table
+        humming_ahead._humming_prepare = lambda *key: json.loads(key[2])  # "compiles" the cut table it is given
+        humming_ahead.HummingAhead.apply = staticmethod(forward)
 
 
 def _run(tp_size: int, targets: list[str], mode: str = "plain") -> list:
@@ -307,7 +362,8 @@ def test_untargeted_linears_keep_the_plain_method_and_partly_targeted_packs_get_
     assert max(errs.values()) < 1e-5, errs
 
 
-@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (2, "nvfp4"), (1, "nvfp4+humming")])
+@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (2, "nvfp4"), (1, "nvfp4+humming"),
+                                          (1, "nvfp4+humming+ahead")])
 def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size, mode):
     """QeRLNVFP4LoRAConfig on vLLM's compressed-tensors NVFP4A16 scheme (Marlin on a GPU; on CPU a dequantizing
     stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference, through the LoRA

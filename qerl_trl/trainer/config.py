@@ -75,6 +75,13 @@ class QeRLGRPOConfig(GRPOConfig):
             on any GPU (an error if it is not installed). `"marlin"`: Marlin everywhere. Humming compiles its
             kernels at the first engine start on a machine (minutes) and caches them in `$HUMMING_CACHE_DIR`
             (default `~/.humming/cache`). With `vllm_lora_backend="vllm"` the whole model runs on one kernel.
+        vllm_humming_compile_ahead (`bool`, defaults to `False`):
+            With `vllm_lora_backend="qerl"` on Humming: compile Humming's kernels on a background thread from the
+            moment each layer's weights are loaded, beside the rest of the engine's start, and only for the row
+            counts the engine can run (up to its `max_num_batched_tokens`, 4096 in TRL's colocate engine; larger M
+            still runs, on the last kernel), instead of Humming's whole table (up to 8192 rows) inside the engine's
+            first forward. Cuts a cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is
+            unchanged. Off by default until measured on a GPU (issue #55 item 4).
         vllm_max_lora_rank (`int`, *optional*):
             With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts
             (1, 8, 16, 32, 64, 128, 256, 320, 512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is
@@ -199,6 +206,11 @@ class QeRLGRPOConfig(GRPOConfig):
         metadata={"help": "RAM-backed directory used to hand each round's adapter to vLLM (files removed at once)."},
     )
 
+    vllm_humming_compile_ahead: bool = field(
+        default=False,
+        metadata={"help": 'vllm_lora_backend="qerl" on Humming: compile Humming\'s kernels in the background from '
+                  "the weight load, for the engine's row counts only (a faster cold start)."},
+    )
     vllm_lora_sync_in_place: bool = field(
         default=True,
         metadata={"help": 'vllm_lora_backend="vllm": after the first round, update the loaded adapter on the GPU '
@@ -278,6 +290,12 @@ class QeRLGRPOConfig(GRPOConfig):
         if self.vllm_fp4_kernel not in FP4_KERNELS:
             raise ValueError(
                 f"vllm_fp4_kernel must be 'auto', 'humming' or 'marlin', got {self.vllm_fp4_kernel!r}."
+            )
+        if self.vllm_humming_compile_ahead and self.vllm_lora_backend != "qerl":
+            raise ValueError(
+                "vllm_humming_compile_ahead=True works in QeRL's in-layer LoRA method (vllm_lora_backend='qerl'), "
+                "which runs vLLM's Humming method layer by layer; with vllm_lora_backend='vllm' vLLM builds the "
+                "whole model itself. Set vllm_lora_backend='qerl' or leave vllm_humming_compile_ahead off."
             )
         if self.vllm_max_lora_rank is not None and (not _is_int(self.vllm_max_lora_rank) or self.vllm_max_lora_rank < 1):
             raise ValueError(

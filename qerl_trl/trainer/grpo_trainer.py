@@ -154,6 +154,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 lora_sync_in_place=args.vllm_lora_sync_in_place,
                 lora_backend=args.vllm_lora_backend,
                 fp4_kernel=kernel,
+                humming_ahead=args.vllm_humming_compile_ahead,
                 return_routed_experts=args.vllm_return_routed_experts,
             )
             cls = make_qerl_vllm_generation_class()

@@ -41,6 +41,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
 from .fp4_kernel import humming_shape_problem
+from .humming_ahead import HummingAhead, engine_row_budget
 from .quant_spec import LORA_KEY, OTHER_BACKEND_HINT, QUANT_NAME
 from .lora_kernels import lora_expand_, lora_partials, lora_shrink, lora_slot_bounds
 from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
@@ -102,10 +103,13 @@ class FP4KernelByShape(LinearMethodBase):
     compressed-tensors method). The shape is known only in ``create_weights``, so the choice is made there; the
     layer's ``qerl_fp4_kernel`` records it (``"humming"`` or ``"marlin: <why>"``)."""
 
-    def __init__(self, marlin: LinearMethodBase, humming: Callable[[], LinearMethodBase]):
+    def __init__(self, marlin: LinearMethodBase, humming: Callable[[], LinearMethodBase],
+                 ahead: HummingAhead | None = None):  # fmt: skip
         self.marlin = marlin
         self.make_humming = humming
         self.chosen: LinearMethodBase = marlin
+        self.ahead = ahead  # Humming's kernels compiled ahead, for the engine's rows only (spec "humming_ahead")
+        self.tuning_config: str | None = None  # the cut table the forward passes Humming, once planned
 
     def create_weights(
         self,
@@ -133,8 +137,12 @@ class FP4KernelByShape(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.chosen.process_weights_after_loading(layer)
+        if self.ahead is not None and self.chosen is not self.marlin:
+            self.tuning_config = self.ahead.plan(layer, self.chosen.compute_config)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tuning_config is not None:
+            return HummingAhead.apply(layer, x, self.chosen.compute_config, self.tuning_config)
         return self.chosen.apply(layer, x, bias)
 
 
@@ -195,6 +203,8 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
     lora_rank: int
     lora_targets: frozenset[str]
     fp4_kernel: str = "marlin"
+    wants_humming_ahead: bool = False  # spec "humming_ahead" (see .humming_ahead)
+    humming_ahead: HummingAhead | None = None  # one per engine, made with its first layer on Humming
     quant_config_dict: dict[str, Any]
 
     def get_name(self) -> str:  # type: ignore[override]
@@ -217,6 +227,7 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
         self.lora_rank = int(spec["rank"])
         self.lora_targets = frozenset(spec["target_modules"])
         self.fp4_kernel = kernel
+        self.wants_humming_ahead = bool(spec.get("humming_ahead", False))
         self.quant_config_dict = config  # Humming reads the checkpoint's compressed-tensors config itself
         return self
 
@@ -250,7 +261,10 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
         method = super().get_quant_method(layer, prefix)
         if isinstance(layer, LinearBase) and isinstance(method, LinearMethodBase):
             if self.fp4_kernel == "humming" and _is_nvfp4a16(layer, method):
-                method = FP4KernelByShape(method, lambda: self.humming_method(layer, prefix))
+                if self.wants_humming_ahead and self.humming_ahead is None:  # vLLM's config is current while it builds
+                    self.humming_ahead = HummingAhead(engine_row_budget())
+                method = FP4KernelByShape(method, lambda: self.humming_method(layer, prefix),
+                                          self.humming_ahead if self.wants_humming_ahead else None)  # fmt: skip
             names = self.lora_names(prefix)
             if names:
                 return SingleLoRALinearMethod(method, names, self.lora_rank)

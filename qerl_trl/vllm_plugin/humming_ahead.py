@@ -1,0 +1,163 @@
+"""Humming's kernels compiled ahead, and only for the rows the engine runs: issue #55 item 4, a cold start's cut.
+Written against humming-kernels 0.1.19 and vLLM 0.24.0.
+
+Why: Humming compiles one kernel per row interval of its tuning table (1 to 8192 rows for a dense GEMM) the first
+time a layer of a shape runs, one shape after the other, inside vLLM's first forward: 132 kernels and about a minute
+of a cold 7B trainer start (docs/vllm.md). Two things are known earlier than that:
+
+* the most rows a GEMM of the engine ever gets: its ``max_num_batched_tokens`` (TRL's colocate engine: 4096), so the
+  table is cut there (:func:`cut_row_table`; its last interval stretched to every larger M, so any M still has a
+  kernel, tuned or not);
+* each layer's Humming config, as soon as vLLM's Humming method has converted the layer's weights, so the kernels of
+  every distinct layer compile on one background thread (:class:`KernelsAhead`) beside the rest of the load and
+  vLLM's torch.compile, instead of inside the first forward.
+
+Humming keys its compiled kernels by their code (on disk, under a file lock) and by the config strings (in memory),
+so the forward finds what the thread compiled, and waits on the lock for a kernel still compiling. A failure here
+only loses the head start: the forward compiles as it would have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KernelsAhead", "HummingAhead", "cut_row_table", "engine_row_budget"]
+
+#: Humming's table entries end at this many rows for "every larger M" (humming 0.1.19 ``tune/base.py``)
+ANY_ROWS = 1 << 30
+#: the rows of a dense table's last interval when vLLM's config cannot be read (Humming's own dense table ends there)
+HUMMING_DENSE_ROWS = 8192
+
+
+def cut_row_table(table: Sequence[Sequence[Any]], max_rows: int) -> list[list[Any]]:
+    """Humming's tuning table ``[[lo, hi, config], ...]`` (``config`` runs ``lo < M <= hi``) cut to the intervals
+    that some ``M <= max_rows`` falls in, the last of them stretched to every larger M: the kernels an engine of
+    that row budget can launch, and a kernel for any M."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    kept = [[lo, hi, config] for lo, hi, config in table if lo < max_rows]
+    if not kept:
+        raise ValueError(f"Humming's tuning table has no interval at or below {max_rows} rows: {table!r:.200}")
+    kept[-1][1] = ANY_ROWS
+    return kept
+
+
+def engine_row_budget() -> int:
+    """The most rows a GEMM of the engine being built gets: vLLM's ``max_num_batched_tokens`` (the scheduler's
+    token budget a step; decode batches are at most ``max_num_seqs``, below it). Read while vLLM builds the model."""
+    from vllm.config import get_current_vllm_config
+
+    budget = getattr(get_current_vllm_config().scheduler_config, "max_num_batched_tokens", None)
+    return int(budget) if budget else HUMMING_DENSE_ROWS
+
+
+class KernelsAhead:
+    """Runs ``prepare(*key)`` once for each distinct key, in order, on one daemon thread (Humming spreads one
+    layer's kernels over its own compile workers). Never raises into the engine: a failure is logged once a key."""
+
+    def __init__(self, prepare: Callable[..., Any]):
+        self._prepare = prepare
+        self._seen: set[tuple] = set()
+        self._todo: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.done: list[tuple] = []
+        self.failed: list[tuple[tuple, str]] = []
+
+    def submit(self, *key: Any) -> bool:
+        """Queue ``prepare(*key)`` unless this key was queued before; True if queued."""
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="qerl-humming-ahead", daemon=True)
+                self._thread.start()
+        self._todo.put(key)
+        return True
+
+    def _work(self) -> None:
+        while True:
+            key = self._todo.get()
+            try:
+                self._prepare(*key)
+                self.done.append(key)
+            except Exception as e:  # the forward compiles it as it would have; say why the head start was lost
+                self.failed.append((key, repr(e)))
+                logger.warning("qerl-trl: compiling Humming's kernels ahead failed (%r); the engine compiles them at "
+                               "its first forward instead", e)  # fmt: skip
+            finally:
+                self._todo.task_done()
+
+    def wait(self) -> None:
+        """Block until every queued key is done (tests; the engine itself never waits here)."""
+        self._todo.join()
+
+
+def _humming_prepare(layer_config: str, compute_config: str, tuning_config: str, device: int) -> Any:
+    from humming.kernel.humming import HummingKernel
+
+    return HummingKernel.prepare_kernels(layer_config, compute_config, tuning_config, device)
+
+
+def _humming_table(layer_config: str, compute_config: str, device: int) -> list:
+    """Humming's own tuning table for a layer, as its forward would build it with no table given (its private
+    ``HummingKernel._resolve_configs`` of 0.1.19: the one place this module reaches into Humming)."""
+    from humming.kernel.humming import HummingKernel
+
+    _, _, table = HummingKernel._resolve_configs(layer_config, compute_config, None, device)
+    return table
+
+
+class HummingAhead:
+    """What :class:`~.single_lora.FP4KernelByShape` asks of this module for a layer on Humming: the layer's cut
+    table (:meth:`plan`, after vLLM's Humming method has converted the layer) and the forward that uses it
+    (:meth:`apply`, vLLM 0.24 ``HummingLinearMethod.apply`` with ``tuning_config``). One per engine; the table and
+    the background compile are shared by every layer of one Humming config."""
+
+    def __init__(self, max_rows: int, kernels: KernelsAhead | None = None,
+                 table: Callable[[str, str, int], list] | None = None):  # fmt: skip
+        self.max_rows = int(max_rows)
+        self.kernels = kernels or KernelsAhead(_humming_prepare)
+        self._table = table or _humming_table
+        self._cut: dict[tuple[str, str], str | None] = {}
+
+    def plan(self, layer: nn.Module, compute_config: str) -> str | None:
+        """The cut table (a JSON string, as Humming's forward takes it) for ``layer``, its kernels queued for the
+        background compile; None where the table cannot be had or written as JSON (the forward then runs as vLLM's
+        does, Humming's whole table compiled at first use)."""
+        layer_config = layer.humming_metas[""].to_str()
+        key = (layer_config, compute_config)
+        if key not in self._cut:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            try:
+                cut: str | None = json.dumps(cut_row_table(self._table(layer_config, compute_config, device),
+                                                           self.max_rows))  # fmt: skip
+            except Exception as e:
+                logger.warning("qerl-trl: Humming's tuning table for a layer could not be cut to %d rows (%r); that "
+                               "layer keeps Humming's whole table", self.max_rows, e)  # fmt: skip
+                cut = None
+            self._cut[key] = cut
+            if cut is not None:
+                self.kernels.submit(layer_config, compute_config, cut, device)
+        return self._cut[key]
+
+    @staticmethod
+    def apply(layer: nn.Module, x: torch.Tensor, compute_config: str, tuning_config: str) -> torch.Tensor:
+        """vLLM 0.24 ``HummingLinearMethod.apply`` with the cut table (the layer's bias is Humming's own)."""
+        import vllm.utils.humming as _hm
+
+        flat = x.view(-1, x.size(-1))
+        out = _hm.HummingMethod.forward_layer(layer=layer, inputs=flat, compute_config=compute_config,
+                                              tuning_config=tuning_config)  # fmt: skip
+        return out.view(*x.shape[:-1], out.size(-1))

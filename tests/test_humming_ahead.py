@@ -1,0 +1,106 @@
+"""Humming's kernels compiled ahead for the engine's rows only (issue #55 item 4): the table cut, the background
+compile and the per-layer plan, with stand-ins for Humming (its real kernels run in the GPU suite's ``vllm_layers``
+part, ``test_single_lora_vllm.py``'s ``+ahead`` case)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import pytest
+from torch import nn
+
+from qerl_trl.vllm_plugin.humming_ahead import ANY_ROWS, HummingAhead, KernelsAhead, cut_row_table
+
+TABLE = [[0, 8, {"b": 1}], [8, 64, {"b": 2}], [64, 4096, {"b": 3}], [4096, 8000, {"b": 4}], [8000, ANY_ROWS, {"b": 5}]]
+
+
+def test_the_table_keeps_every_interval_a_budgeted_m_falls_in_and_the_last_serves_any_m():
+    assert cut_row_table(TABLE, 4096) == [[0, 8, {"b": 1}], [8, 64, {"b": 2}], [64, ANY_ROWS, {"b": 3}]]
+    assert cut_row_table(TABLE, 4097) == [*TABLE[:3], [4096, ANY_ROWS, {"b": 4}]]  # M = 4097 runs interval 4
+    assert cut_row_table(TABLE, 1) == [[0, ANY_ROWS, {"b": 1}]]
+    assert cut_row_table(TABLE, 10**9) == TABLE
+    assert TABLE[2][1] == 4096, "the input table is left as it was"
+
+
+def _kernel_for(table, m):
+    """Humming's launcher: the interval with lo < m <= hi (humming 0.1.19 csrc/launcher/launcher.cpp)."""
+    return next(config for lo, hi, config in table if lo < m <= hi)
+
+
+@pytest.mark.parametrize("budget", [1, 8, 9, 100, 4096, 5000])
+def test_a_cut_table_runs_the_same_kernel_as_the_whole_one_up_to_the_budget_and_some_kernel_past_it(budget):
+    cut = cut_row_table(TABLE, budget)
+    for m in [1, 2, 8, 9, 64, 65, 4096, 4097, 8000, 8001, 100000]:
+        if m <= budget:
+            assert _kernel_for(cut, m) == _kernel_for(TABLE, m), m
+        else:
+            assert _kernel_for(cut, m) is not None
+
+
+def test_a_bad_budget_or_table_is_an_error():
+    with pytest.raises(ValueError, match="max_rows"):
+        cut_row_table(TABLE, 0)
+    with pytest.raises(ValueError, match="no interval"):
+        cut_row_table([[100, ANY_ROWS, {}]], 50)
+
+
+def test_kernels_compile_once_a_key_on_a_background_thread_and_a_failure_never_reaches_the_engine(caplog):
+    calls, threads = [], set()
+
+    def prepare(*key):
+        threads.add(threading.current_thread().name)
+        calls.append(key)
+        if key[0] == "bad":
+            raise RuntimeError("nvrtc failed")
+
+    ahead = KernelsAhead(prepare)
+    assert ahead.submit("a", 1) and not ahead.submit("a", 1)
+    assert ahead.submit("bad", 1) and ahead.submit("b", 2)
+    with caplog.at_level(logging.WARNING):
+        ahead.wait()
+    assert calls == [("a", 1), ("bad", 1), ("b", 2)]  # in order, the failure did not stop the next key
+    assert threads == {"qerl-humming-ahead"}
+    assert ahead.done == [("a", 1), ("b", 2)] and ahead.failed == [(("bad", 1), "RuntimeError('nvrtc failed')")]
+    assert "compiles them at its first forward instead" in caplog.text
+
+
+class _Meta:
+    def __init__(self, text):
+        self.text = text
+
+    def to_str(self):
+        return self.text
+
+
+def _layer(config: str) -> nn.Module:
+    layer = nn.Module()
+    layer.humming_metas = {"": _Meta(config)}
+    return layer
+
+
+def test_layers_of_one_config_share_one_table_and_one_compile():
+    tables, compiled = [], []
+    ahead = HummingAhead(100, KernelsAhead(lambda *key: compiled.append(key)),
+                         table=lambda lc, cc, dev: tables.append((lc, cc)) or TABLE)  # fmt: skip
+    plans = [ahead.plan(_layer(name), '{"gemm_type": "dense"}') for name in ("qkv", "o", "qkv", "qkv", "o")]
+    ahead.kernels.wait()
+    assert tables == [("qkv", '{"gemm_type": "dense"}'), ("o", '{"gemm_type": "dense"}')]
+    want = json.dumps(cut_row_table(TABLE, 100))
+    assert plans == [want] * 5
+    assert compiled == [("qkv", '{"gemm_type": "dense"}', want, 0), ("o", '{"gemm_type": "dense"}', want, 0)]
+
+
+@pytest.mark.parametrize("table", [
+    lambda lc, cc, dev: (_ for _ in ()).throw(RuntimeError("no GPU")),  # Humming cannot build it
+    lambda lc, cc, dev: [[0, ANY_ROWS, {"dtype": object()}]],  # not JSON: Humming's forward could not take it
+])  # fmt: skip
+def test_a_table_that_cannot_be_had_leaves_the_layer_on_hummings_own_and_compiles_nothing(table, caplog):
+    compiled = []
+    ahead = HummingAhead(100, KernelsAhead(lambda *key: compiled.append(key)), table=table)
+    with caplog.at_level(logging.WARNING):
+        assert ahead.plan(_layer("o"), "{}") is None
+        assert ahead.plan(_layer("o"), "{}") is None
+    ahead.kernels.wait()
+    assert compiled == [] and caplog.text.count("keeps Humming's whole table") == 1
