@@ -137,8 +137,9 @@ class FP4KernelByShape(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.chosen.process_weights_after_loading(layer)
-        if self.ahead is not None and self.chosen is not self.marlin:
-            self.tuning_config = self.ahead.plan(layer, self.chosen.compute_config)
+        compute_config = getattr(self.chosen, "compute_config", None)  # vLLM's Humming method's, unless it fell back
+        if self.ahead is not None and self.chosen is not self.marlin and compute_config is not None:
+            self.tuning_config = self.ahead.plan(layer, compute_config)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.tuning_config is not None:
