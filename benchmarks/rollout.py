@@ -259,6 +259,13 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
             from qerl_trl.vllm_plugin.single_lora import fp4_kernels_of
 
             base["fp4_kernels"] = dict(Counter(llm.apply_model(fp4_kernels_of)[0].values()))
+            if spec.kernel == "humming":  # the row intervals Humming compiled kernels for (issue #55 item 4)
+                from qerl_trl.vllm_plugin.humming_ahead import humming_tables_of
+
+                try:
+                    base["humming_tables"] = llm.apply_model(humming_tables_of)[0]
+                except Exception as e:  # a diagnostic: never the row's failure
+                    base["humming_tables"] = f"failed: {e!r}"
         if spec.size in e2e.MOE_SIZES:
             base["expert_kernels"] = llm.apply_model(expert_kernels_of)[0]
         request = None

@@ -104,3 +104,26 @@ def test_a_table_that_cannot_be_had_leaves_the_layer_on_hummings_own_and_compile
         assert ahead.plan(_layer("o"), "{}") is None
     ahead.kernels.wait()
     assert compiled == [] and caplog.text.count("keeps Humming's whole table") == 1
+
+
+def test_the_tables_of_a_model_name_each_distinct_humming_layer_once(monkeypatch):
+    from qerl_trl.vllm_plugin import humming_ahead
+
+    small, large = {"block_shape": [16, 128, 64]}, {"block_shape": [64, 128, 64]}
+    monkeypatch.setattr(humming_ahead, "_humming_table",
+                        lambda lc, cc, dev: [[0, 8, small], [8, 4096, large], [4096, ANY_ROWS, large]])
+
+    def linear(n, k, cut=None):
+        layer = _layer(json.dumps({"shape_n": n, "shape_k": k}))
+        chosen = type("Humming", (), {"compute_config": "{}"})()
+        by_shape = type("ByShape", (), {"chosen": chosen, "tuning_config": cut})()
+        layer.quant_method = type("Lora", (), {"inner": by_shape})()
+        return layer
+
+    model = nn.ModuleList([linear(4608, 3584), linear(3584, 3584, json.dumps(cut_row_table(TABLE, 8))),
+                           linear(4608, 3584), nn.Linear(2, 2)])  # fmt: skip
+    got = humming_ahead.humming_tables_of(model)
+    assert list(got) == ["4608x3584", "3584x3584"]
+    assert got["4608x3584"] == {"intervals": [[0, 8, [16, 128, 64]], [8, 4096, [64, 128, 64]],
+                                              [4096, ANY_ROWS, [64, 128, 64]]], "kernels": 2, "cut": None}  # fmt: skip
+    assert got["3584x3584"]["cut"] == 1

@@ -31,7 +31,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KernelsAhead", "HummingAhead", "cut_row_table", "engine_row_budget"]
+__all__ = ["KernelsAhead", "HummingAhead", "cut_row_table", "engine_row_budget", "humming_tables_of"]
 
 #: Humming's table entries end at this many rows for "every larger M" (humming 0.1.19 ``tune/base.py``)
 ANY_ROWS = 1 << 30
@@ -161,3 +161,33 @@ class HummingAhead:
         out = _hm.HummingMethod.forward_layer(layer=layer, inputs=flat, compute_config=compute_config,
                                               tuning_config=tuning_config)  # fmt: skip
         return out.view(*x.shape[:-1], out.size(-1))
+
+
+def humming_tables_of(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{"NxK": {"intervals": [[lo, hi, block_shape], ...], "kernels": n, "cut": m or None}}`` for each distinct
+    Humming layer config of a vLLM model (run it with ``LLM.apply_model``): Humming's whole table for the layer (what
+    a cold start compiles without the cut: one kernel per distinct config) and, where the layer runs a cut table,
+    its kernel count. For benchmark rows: which row intervals a cold start pays for."""
+    out: dict[str, dict[str, Any]] = {}
+    seen: set[str] = set()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    for module in model.modules():
+        metas = getattr(module, "humming_metas", None)
+        method = getattr(module, "quant_method", None)
+        method = getattr(method, "inner", method)  # SingleLoRALinearMethod over FP4KernelByShape
+        compute = getattr(getattr(method, "chosen", method), "compute_config", None)
+        if not isinstance(metas, dict) or "" not in metas or compute is None:
+            continue
+        layer_config = metas[""].to_str()
+        if layer_config in seen:
+            continue
+        seen.add(layer_config)
+        parsed = json.loads(layer_config)
+        table = _humming_table(layer_config, compute, device)
+        cut = getattr(method, "tuning_config", None)
+        out[f"{parsed.get('shape_n')}x{parsed.get('shape_k')}"] = {
+            "intervals": [[lo, hi, config.get("block_shape")] for lo, hi, config in table],
+            "kernels": len({json.dumps(config, sort_keys=True, default=str) for _, _, config in table}),
+            "cut": None if cut is None else len({json.dumps(c, sort_keys=True) for _, _, c in json.loads(cut)}),
+        }
+    return out
