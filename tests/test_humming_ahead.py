@@ -11,7 +11,7 @@ import threading
 import pytest
 from torch import nn
 
-from qerl_trl.vllm_plugin.humming_ahead import ANY_ROWS, HummingAhead, KernelsAhead, cut_row_table
+from qerl_trl.vllm_plugin.humming_ahead import ANY_ROWS, HummingAhead, KernelsAhead, cut_row_table, engine_row_table
 
 TABLE = [[0, 8, {"b": 1}], [8, 64, {"b": 2}], [64, 4096, {"b": 3}], [4096, 8000, {"b": 4}], [8000, ANY_ROWS, {"b": 5}]]
 
@@ -37,6 +37,44 @@ def test_a_cut_table_runs_the_same_kernel_as_the_whole_one_up_to_the_budget_and_
             assert _kernel_for(cut, m) == _kernel_for(TABLE, m), m
         else:
             assert _kernel_for(cut, m) is not None
+
+
+def _real_7b_table() -> list:
+    """Humming 0.1.19's table of 7B's gate/up layer on an H100 (``humming_tables`` of the e6d06c9 row in
+    rollout-h100.json), each config given by its block shape."""
+    from pathlib import Path
+
+    rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/rollout-h100.json").read_text())["rows"]
+    tables = next(r["humming_tables"] for r in rows if isinstance(r.get("humming_tables"), dict))
+    return [[lo, hi, tuple(block)] for lo, hi, block in tables["37888x3584"]["intervals"]]
+
+
+@pytest.mark.parametrize("decode_rows", [16, 64])
+def test_the_engine_table_keeps_the_decode_kernels_and_one_kernel_a_doubling_above(decode_rows):
+    """On 7B's real table (92 intervals, 33 kernels, 27 block shapes): every decode batch up to max_num_seqs runs
+    Humming's own kernel, every larger M up to the token budget one Humming tuned for at most twice its rows, any M
+    some kernel; a few kernels where Humming's table has 33."""
+    whole = _real_7b_table()
+    assert len(whole) == 92 and len({c for _, _, c in whole}) == 27
+    table = engine_row_table(whole, decode_rows, 4096)
+    kernels = {c for _, _, c in table}
+    assert len(kernels) <= decode_rows // 8 + 6, table  # Humming's decode kernels (8 rows apart) and the bands
+    tuned_for = {c: [m for m in range(1, 8193) if _kernel_for(whole, m) == c] for c in kernels}
+    for m in range(1, 4097):
+        got = _kernel_for(table, m)
+        if m <= decode_rows:
+            assert got == _kernel_for(whole, m), m
+        else:
+            assert any(m <= t < 2 * m for t in tuned_for[got]), (m, got)
+    assert _kernel_for(table, 10**6) is not None and table[-1][1] == ANY_ROWS
+    assert all(a[2] != b[2] for a, b in zip(table, table[1:]))  # neighbours of one config merged
+
+
+def test_an_engine_whose_decode_batch_reaches_its_token_budget_keeps_hummings_table_up_to_it():
+    assert engine_row_table(TABLE, 4096, 4096) == cut_row_table(TABLE, 4096)
+    assert engine_row_table(TABLE, 8, 8) == [[0, ANY_ROWS, {"b": 1}]]
+    with pytest.raises(ValueError, match="decode_rows"):
+        engine_row_table(TABLE, 0, 100)
 
 
 def test_a_bad_budget_or_table_is_an_error():
@@ -82,12 +120,13 @@ def _layer(config: str) -> nn.Module:
 
 def test_layers_of_one_config_share_one_table_and_one_compile():
     tables, compiled = [], []
-    ahead = HummingAhead(100, KernelsAhead(lambda *key: compiled.append(key)),
+    ahead = HummingAhead(8, 100, KernelsAhead(lambda *key: compiled.append(key)),
                          table=lambda lc, cc, dev: tables.append((lc, cc)) or TABLE)  # fmt: skip
     plans = [ahead.plan(_layer(name), '{"gemm_type": "dense"}') for name in ("qkv", "o", "qkv", "qkv", "o")]
     ahead.kernels.wait()
     assert tables == [("qkv", '{"gemm_type": "dense"}'), ("o", '{"gemm_type": "dense"}')]
-    want = json.dumps(cut_row_table(TABLE, 100))
+    want = json.dumps(engine_row_table(TABLE, 8, 100))
+    assert json.loads(want) == [[0, 8, {"b": 1}], [8, 64, {"b": 2}], [64, ANY_ROWS, {"b": 3}]]
     assert plans == [want] * 5
     assert compiled == [("qkv", '{"gemm_type": "dense"}', want, 0), ("o", '{"gemm_type": "dense"}', want, 0)]
 
@@ -98,7 +137,7 @@ def test_layers_of_one_config_share_one_table_and_one_compile():
 ])  # fmt: skip
 def test_a_table_that_cannot_be_had_leaves_the_layer_on_hummings_own_and_compiles_nothing(table, caplog):
     compiled = []
-    ahead = HummingAhead(100, KernelsAhead(lambda *key: compiled.append(key)), table=table)
+    ahead = HummingAhead(8, 100, KernelsAhead(lambda *key: compiled.append(key)), table=table)
     with caplog.at_level(logging.WARNING):
         assert ahead.plan(_layer("o"), "{}") is None
         assert ahead.plan(_layer("o"), "{}") is None

@@ -212,7 +212,7 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
 
 
 def _check_humming_ahead(config, humming_layers: dict, marlin_layer) -> None:
-    """Every Humming layer runs the table cut at the engine's row budget (its last interval open-ended), and the
+    """Every Humming layer runs the engine's table (up to its token budget, the last interval open-ended), and the
     background thread compiled each distinct layer's kernels once, without a failure; the Marlin layer has none."""
     import json
 
@@ -220,9 +220,11 @@ def _check_humming_ahead(config, humming_layers: dict, marlin_layer) -> None:
 
     from qerl_trl.vllm_plugin.humming_ahead import ANY_ROWS
 
-    budget = get_current_vllm_config().scheduler_config.max_num_batched_tokens
+    scheduler = get_current_vllm_config().scheduler_config
+    budget = scheduler.max_num_batched_tokens
     ahead = config.humming_ahead
     assert ahead is not None and ahead.max_rows == budget, (ahead, budget)
+    assert ahead.decode_rows == min(scheduler.max_num_seqs, budget), (ahead.decode_rows, scheduler.max_num_seqs)
     for name, layer in humming_layers.items():
         method = layer.quant_method.inner  # SingleLoRALinearMethod over FP4KernelByShape
         assert method.ahead is ahead and method.tuning_config is not None, name

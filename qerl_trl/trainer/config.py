@@ -76,12 +76,14 @@ class QeRLGRPOConfig(GRPOConfig):
             kernels at the first engine start on a machine (minutes) and caches them in `$HUMMING_CACHE_DIR`
             (default `~/.humming/cache`). With `vllm_lora_backend="vllm"` the whole model runs on one kernel.
         vllm_humming_compile_ahead (`bool`, defaults to `False`):
-            With `vllm_lora_backend="qerl"` on Humming: compile Humming's kernels on a background thread from the
-            moment each layer's weights are loaded, beside the rest of the engine's start, and only for the row
-            counts the engine can run (up to its `max_num_batched_tokens`, 4096 in TRL's colocate engine; larger M
-            still runs, on the last kernel), instead of Humming's whole table (up to 8192 rows) inside the engine's
-            first forward. Cuts a cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is
-            unchanged. Off by default until measured on a GPU (issue #55 item 4).
+            With `vllm_lora_backend="qerl"` on Humming: compile fewer of Humming's kernels, on a background thread
+            from the moment each layer's weights are loaded (beside the rest of the engine's start) instead of inside
+            its first forward: Humming's own kernels for decode batches up to the engine's `max_num_seqs`, and above
+            it one kernel per doubling of the rows up to `max_num_batched_tokens` (prefill chunks; any larger M
+            still runs). 7 kernels a 7B layer shape at 16 sequences an engine, where Humming's table has 33. Cuts a
+            cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is unchanged. Off by default:
+            this table has not run on a GPU (issue #55 item 4; the first form, which only cut the table at the token
+            budget, ran and compiled as many kernels as without it).
         vllm_max_lora_rank (`int`, *optional*):
             With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts
             (1, 8, 16, 32, 64, 128, 256, 320, 512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is
@@ -208,8 +210,9 @@ class QeRLGRPOConfig(GRPOConfig):
 
     vllm_humming_compile_ahead: bool = field(
         default=False,
-        metadata={"help": 'vllm_lora_backend="qerl" on Humming: compile Humming\'s kernels in the background from '
-                  "the weight load, for the engine's row counts only (a faster cold start)."},
+        metadata={"help": 'vllm_lora_backend="qerl" on Humming: compile fewer Humming kernels (its own for decode '
+                  "batches, one a doubling of the rows above), in the background from the weight load (a faster cold "
+                  "start)."},
     )
     vllm_lora_sync_in_place: bool = field(
         default=True,

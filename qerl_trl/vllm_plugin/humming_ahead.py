@@ -1,13 +1,17 @@
-"""Humming's kernels compiled ahead, and only for the rows the engine runs: issue #55 item 4, a cold start's cut.
-Written against humming-kernels 0.1.19 and vLLM 0.24.0.
+"""Humming's kernels compiled ahead, and only those the engine's batch sizes need: issue #55 item 4, a cold start's
+cut. Written against humming-kernels 0.1.19 and vLLM 0.24.0.
 
-Why: Humming compiles one kernel per row interval of its tuning table (1 to 8192 rows for a dense GEMM) the first
-time a layer of a shape runs, one shape after the other, inside vLLM's first forward: 132 kernels and about a minute
-of a cold 7B trainer start (docs/vllm.md). Two things are known earlier than that:
+Why: Humming compiles one kernel per distinct config of its tuning table (92 row intervals from 1 to 8192 rows at
+each 7B shape, 33 distinct kernels, every one of them below 512 rows: ``humming_tables`` in
+``benchmarks/results/rollout-h100.json``) the first time a layer of a shape runs, one shape after the other, inside
+vLLM's first forward: 133 kernels and about 80 s of a cold 7B trainer start on a 16-core H100 host (docs/vllm.md).
+What is known earlier than that:
 
-* the most rows a GEMM of the engine ever gets: its ``max_num_batched_tokens`` (TRL's colocate engine: 4096), so the
-  table is cut there (:func:`cut_row_table`; its last interval stretched to every larger M, so any M still has a
-  kernel, tuned or not);
+* the rows the engine's GEMMs get: decode batches up to its ``max_num_seqs`` (what a GRPO round spends its time on,
+  Humming's own kernel for each), and prefill chunks up to its ``max_num_batched_tokens`` (one step or a few a
+  round), so the table keeps Humming's intervals up to ``max_num_seqs`` and above it one kernel per doubling of the
+  rows, Humming's own for the band's largest M, the last stretched to every larger M (:func:`engine_row_table`);
+  cutting the table at the token budget alone (the first try) removed no kernel at 7B;
 * each layer's Humming config, as soon as vLLM's Humming method has converted the layer's weights, so the kernels of
   every distinct layer compile on one background thread (:class:`KernelsAhead`) beside the rest of the load and
   vLLM's torch.compile, instead of inside the first forward.
@@ -31,7 +35,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KernelsAhead", "HummingAhead", "cut_row_table", "engine_row_budget", "humming_tables_of"]
+__all__ = ["KernelsAhead", "HummingAhead", "cut_row_table", "engine_row_budget", "engine_row_table",
+           "humming_tables_of"]
 
 #: Humming's table entries end at this many rows for "every larger M" (humming 0.1.19 ``tune/base.py``)
 ANY_ROWS = 1 << 30
@@ -52,13 +57,49 @@ def cut_row_table(table: Sequence[Sequence[Any]], max_rows: int) -> list[list[An
     return kept
 
 
-def engine_row_budget() -> int:
-    """The most rows a GEMM of the engine being built gets: vLLM's ``max_num_batched_tokens`` (the scheduler's
-    token budget a step; decode batches are at most ``max_num_seqs``, below it). Read while vLLM builds the model."""
+def _config_at(table: Sequence[Sequence[Any]], rows: int) -> Any:
+    """The config Humming's launcher runs at ``rows`` rows (the interval with ``lo < rows <= hi``)."""
+    for lo, hi, config in table:
+        if lo < rows <= (hi if hi > 0 else ANY_ROWS):
+            return config
+    raise ValueError(f"Humming's tuning table has no interval holding {rows} rows: {table!r:.200}")
+
+
+def engine_row_table(table: Sequence[Sequence[Any]], decode_rows: int, max_rows: int) -> list[list[Any]]:
+    """Humming's table for an engine whose decode batches reach ``decode_rows`` and whose steps ``max_rows`` tokens:
+    Humming's own intervals up to ``decode_rows``, then one interval a doubling of the rows up to ``max_rows``, each
+    on Humming's config for its largest M, the last stretched to every larger M; neighbours of one config merged.
+    The decode steps run exactly the kernels they ran before; a prefill chunk runs a kernel tuned for at most twice
+    its rows."""
+    if decode_rows < 1:
+        raise ValueError(f"decode_rows must be >= 1, got {decode_rows}")
+    if decode_rows >= max_rows:
+        return cut_row_table(table, max_rows)
+    out = [[lo, min(hi, decode_rows), config] for lo, hi, config in cut_row_table(table, decode_rows)]
+    lo = decode_rows
+    while lo < max_rows:
+        hi = min(2 * lo, max_rows)
+        out.append([lo, hi, _config_at(table, hi)])
+        lo = hi
+    merged: list[list[Any]] = []
+    for entry in out:
+        if merged and merged[-1][2] == entry[2]:
+            merged[-1][1] = entry[1]
+        else:
+            merged.append(list(entry))
+    merged[-1][1] = ANY_ROWS
+    return merged
+
+
+def engine_row_budget() -> tuple[int, int]:
+    """``(decode_rows, max_rows)`` of the engine being built: vLLM's ``max_num_seqs`` (the largest decode batch) and
+    ``max_num_batched_tokens`` (the scheduler's token budget a step). Read while vLLM builds the model."""
     from vllm.config import get_current_vllm_config
 
-    budget = getattr(get_current_vllm_config().scheduler_config, "max_num_batched_tokens", None)
-    return int(budget) if budget else HUMMING_DENSE_ROWS
+    scheduler = get_current_vllm_config().scheduler_config
+    max_rows = int(getattr(scheduler, "max_num_batched_tokens", None) or HUMMING_DENSE_ROWS)
+    decode_rows = int(getattr(scheduler, "max_num_seqs", None) or max_rows)
+    return min(decode_rows, max_rows), max_rows
 
 
 class KernelsAhead:
@@ -125,27 +166,29 @@ class HummingAhead:
     (:meth:`apply`, vLLM 0.24 ``HummingLinearMethod.apply`` with ``tuning_config``). One per engine; the table and
     the background compile are shared by every layer of one Humming config."""
 
-    def __init__(self, max_rows: int, kernels: KernelsAhead | None = None,
+    def __init__(self, decode_rows: int, max_rows: int, kernels: KernelsAhead | None = None,
                  table: Callable[[str, str, int], list] | None = None):  # fmt: skip
+        self.decode_rows = int(decode_rows)
         self.max_rows = int(max_rows)
         self.kernels = kernels or KernelsAhead(_humming_prepare)
         self._table = table or _humming_table
         self._cut: dict[tuple[str, str], str | None] = {}
 
     def plan(self, layer: nn.Module, compute_config: str) -> str | None:
-        """The cut table (a JSON string, as Humming's forward takes it) for ``layer``, its kernels queued for the
-        background compile; None where the table cannot be had or written as JSON (the forward then runs as vLLM's
-        does, Humming's whole table compiled at first use)."""
+        """The engine's table (:func:`engine_row_table`, a JSON string, as Humming's forward takes it) for ``layer``,
+        its kernels queued for the background compile; None where the table cannot be had or written as JSON (the
+        forward then runs as vLLM's does, Humming's whole table compiled at first use)."""
         layer_config = layer.humming_metas[""].to_str()
         key = (layer_config, compute_config)
         if key not in self._cut:
             device = torch.cuda.current_device() if torch.cuda.is_available() else 0
             try:
-                cut: str | None = json.dumps(cut_row_table(self._table(layer_config, compute_config, device),
-                                                           self.max_rows))  # fmt: skip
+                whole = self._table(layer_config, compute_config, device)
+                cut: str | None = json.dumps(engine_row_table(whole, self.decode_rows, self.max_rows))
             except Exception as e:
-                logger.warning("qerl-trl: Humming's tuning table for a layer could not be cut to %d rows (%r); that "
-                               "layer keeps Humming's whole table", self.max_rows, e)  # fmt: skip
+                logger.warning("qerl-trl: Humming's tuning table for a layer could not be fitted to %d decode rows and "
+                               "%d-token steps (%r); that layer keeps Humming's whole table", self.decode_rows,
+                               self.max_rows, e)  # fmt: skip
                 cut = None
             self._cut[key] = cut
             if cut is not None:

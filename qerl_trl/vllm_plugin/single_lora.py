@@ -263,7 +263,7 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
         if isinstance(layer, LinearBase) and isinstance(method, LinearMethodBase):
             if self.fp4_kernel == "humming" and _is_nvfp4a16(layer, method):
                 if self.wants_humming_ahead and self.humming_ahead is None:  # vLLM's config is current while it builds
-                    self.humming_ahead = HummingAhead(engine_row_budget())
+                    self.humming_ahead = HummingAhead(*engine_row_budget())
                 method = FP4KernelByShape(method, lambda: self.humming_method(layer, prefix),
                                           self.humming_ahead if self.wants_humming_ahead else None)  # fmt: skip
             names = self.lora_names(prefix)
