@@ -169,10 +169,11 @@ def test_the_decode_profile_table_is_the_json_rows():
     from benchmarks.decode_profile import table
 
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    result = json.loads((ROOT / "benchmarks" / "results" / "rollout-h200.json").read_text())
-    assert table(result["rows"]) in text
-    runs = {r["run"] for r in result["rows"] if r.get("decode_profile")}
-    assert runs and all(run in text for run in runs)
+    for name in ("rollout-h200.json", "rollout-h100.json"):
+        result = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+        assert table(result["rows"]) in text, name
+        runs = {r["run"] for r in result["rows"] if r.get("decode_profile")}
+        assert runs and all(run in text for run in runs), name
 
 
 def test_the_fused_pass_table_is_the_json_rows():
@@ -265,3 +266,45 @@ def test_the_moe_expert_pass_table_is_the_json_rows():
         assert _close(total, row["fwd_bwd_ms"]) and _close(low, row["fwd_bwd_ms_min"])
         assert _close(high, row["fwd_bwd_ms_max"]) and _close(NUMBER.findall(cells[4])[0], row["peak_gib"])
     assert len(body) == len(rows) == 8
+
+
+def _check_step_cells(cells: list[str], row: dict) -> None:
+    """Cells 2-3 of a step table: the step with its min-max, and rollout / sync / training pass."""
+    step, low, high = NUMBER.findall(cells[2])
+    assert _close(step, row["step_s"]) and _close(low, row["step_s_min"]) and _close(high, row["step_s_max"])
+    rollout, sync, rest = NUMBER.findall(cells[3])
+    assert _close(rollout, row["rollout_s"]) and _close(sync, row["sync_s"]) and _close(rest, row["train_s"])
+
+
+def test_the_h100_step_tables_are_the_json_rows():
+    """Issue #55 item 5 (7B beside TRL) and #54 (30B-A3B beside a 7B row) on one H100: every cell from its row."""
+    rows = _rows("e2e_step-h100.json")
+    ((_, header, body),) = _tables("| H100 7B setting, arm |")
+    assert header[1:] == ["run (commit)", "step", "rollout / sync / training pass", "peak", "TRL ÷ this"]
+    arms = {"TRL BF16 LoRA": ("trl_bf16", False), "QeRL, fused pass on": ("qerl_single_lora", True)}
+    for cells in body:
+        setting, arm_text = cells[0].split(": ")
+        run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
+        arm, fused = arms[arm_text]
+        (row,) = [r for r in rows if r.get("run") == run and r["arm"] == arm and bool(r.get("fused_is")) == fused
+                  and r["status"] == "ok"]  # fmt: skip
+        assert row["commit"].startswith(commit) and setting == "2 × 8 × 512, no sleep" and not row["sleep"]
+        _check_step_cells(cells, row)
+        assert _close(NUMBER.findall(cells[4])[0], row["peak_gib"])
+        assert _close(NUMBER.findall(cells[5])[0], row["speedup_vs_trl_bf16"])
+    assert len(body) == 2
+    ((_, header, body),) = _tables("| H100 arm |")
+    assert header[1:] == ["run (commit)", "step", "rollout / sync / training pass", "peak (rollout / training)",
+                          "trainer start"]  # fmt: skip
+    for cells in body:
+        size = {"30B-A3B": "30b-a3b", "7B": "7b"}[cells[0].split(",")[0]]
+        run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
+        (row,) = [r for r in rows if r.get("run") == run and r["size"] == size]
+        assert row["status"] == "ok" and row["commit"].startswith(commit) and row["fused_is"]
+        assert row["sleep"] == ("no sleep" not in cells[0])
+        _check_step_cells(cells, row)
+        rollout_peak, train_peak = NUMBER.findall(cells[4])
+        assert _close(rollout_peak, row["peak_gib_by_phase"]["rollout"])
+        assert _close(train_peak, row["peak_gib_by_phase"]["train"])
+        assert _close(NUMBER.findall(cells[5])[0], row["init_s"])
+    assert len(body) == 2
