@@ -104,8 +104,12 @@ def test_lora_targets_off_the_attention_of_a_moe_are_refused_before_anything_loa
     from qerl_trl.trainer.policy import check_moe_lora
 
     qwen3 = rm.qwen3_moe_config("qwen3-30b-a3b", **{"num_hidden_layers": 1})
-    for ok in (["q_proj", "v_proj"], "all-linear", r".*self_attn\.(q|v)_proj"):
+    for ok in (["q_proj", "v_proj"], "all-linear", r".*self_attn\.(q|v)_proj", ["q_proj", "experts"],
+               r".*(self_attn\.q_proj|mlp\.experts)"):  # fmt: skip
         check_moe_lora(qwen3, LoraConfig(target_modules=ok))
+    with pytest.raises(ValueError, match="use_vllm=False for now"):  # the expert LoRA is not served in vLLM yet
+        check_moe_lora(qwen3, LoraConfig(target_modules=["q_proj", "experts"]), use_vllm=True)
+    check_moe_lora(qwen3, LoraConfig(target_modules=["q_proj"]), use_vllm=True)
     dense = rm.qwen25_config("qwen2.5-7b")
     check_moe_lora(dense, LoraConfig(target_modules=["q_proj", "gate_proj"]))  # a dense model: as before
     for bad, said in ((["q_proj", "gate_proj"], r"target_modules \['gate_proj'\]"),
@@ -124,3 +128,31 @@ def test_lora_targets_off_the_attention_of_a_moe_are_refused_before_anything_loa
                         args=config(tmp_path, experimental_moe=True), train_dataset=dataset(),
                         processing_class=make_tokenizer(),
                         peft_config=LoraConfig(target_modules=["q_proj", "down_proj"]))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_qwen3_moe_policy_trains_a_lora_on_its_experts_without_vllm(moe_checkpoint, tmp_path):
+    """Issue #54 item 3: target_modules naming "experts" puts a LoRA on every routed expert (NVFP4ExpertsLora):
+    it trains with the attention's, the packed experts stay as they were, and the checkpoint's adapter is per
+    expert."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    from qerl_trl.peft_lora import NVFP4ExpertsLora
+
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "experts"])
+    trainer = QeRLGRPOTrainer(model=moe_checkpoint, reward_funcs=token_sum_reward,
+                              args=config(tmp_path / "out", experimental_moe=True, max_steps=2, save_strategy="steps",
+                                          save_steps=2),
+                              train_dataset=dataset(), processing_class=make_tokenizer(), peft_config=lora)  # fmt: skip
+    model = trainer.model
+    assert sum(isinstance(m, NVFP4ExpertsLora) for m in model.modules()) == 2
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
+    trainer.train()
+    moved = [n for n, p in model.named_parameters() if "lora_B" in n and ".experts." in n
+             and not torch.equal(p.detach(), before[n])]  # fmt: skip
+    assert moved, "the experts' LoRA did not train"
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters()
+               if "experts" in n and "lora_" not in n)  # fmt: skip
+    saved = load_file(tmp_path / "out" / "checkpoint-2" / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.1.mlp.experts.3.down_proj.lora_B.weight" in saved

@@ -17,6 +17,7 @@ as vLLM serves them as one matrix (``CompressedTensorsW4A4Nvfp4MoEMethod`` warns
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,11 +26,16 @@ from . import format as nvfp4
 from .linear import ACTIVATION_DTYPES, _NVFP4LinearFn
 from .ops import dequantize_stack, nvfp4_linear_forward
 
-__all__ = ["NVFP4Experts", "NVFP4ExpertsCheckpoint", "grouped_mm_usable"]
+__all__ = ["NVFP4Experts", "NVFP4ExpertsCheckpoint", "Routed", "grouped_mm", "grouped_mm_usable"]
 
 #: torch's grouped GEMM (``torch.nn.functional.grouped_mm``, earlier ``torch._grouped_mm``)
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM: ``out[s] = x[s] @ w[e(s)]`` over rows sorted by group (``offsets``: where each ends)."""
+    return _GROUPED_MM(x, w, offs=offsets)
 
 
 def grouped_mm_usable(x: torch.Tensor) -> bool:
@@ -67,6 +73,19 @@ STACKS = (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",)))
 TENSORS = (("packed", torch.uint8, "weight_packed"), ("scale_bits", torch.float8_e4m3fn, "weight_scale"),
            ("global_scale_bits", torch.float32, "weight_global_scale"))  # fmt: skip
 _BITS = {torch.uint8: torch.uint8, torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}
+
+
+@dataclass
+class Routed:
+    """A layer's (token, slot) pairs sorted by expert: ``rows`` (the tokens' activations in that order), where each
+    pair came from (``order``, ``token_of``), and each expert's rows: ``offsets`` (where each expert's rows end, for
+    the grouped GEMM) or ``slices`` ([(expert, start, end)], the experts with rows, for the per-expert loop)."""
+
+    rows: torch.Tensor
+    order: torch.Tensor
+    token_of: torch.Tensor
+    offsets: torch.Tensor | None = None
+    slices: list[tuple[int, int, int]] | None = None
 
 
 class NVFP4Experts(nn.Module):
@@ -145,13 +164,28 @@ class NVFP4Experts(nn.Module):
         return nvfp4_linear_forward(x, packed, scale, global_scale)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        hidden_states = self.check_input(hidden_states)
+        routed = self.route(hidden_states, top_k_index)
+        if routed is None:
+            return torch.zeros_like(hidden_states)
+        gate, up = self.project(routed, routed.rows, "gate_up").chunk(2, dim=-1)
+        return self.combine(routed, self.project(routed, self.act_fn(gate) * up, "down"), top_k_weights,
+                            hidden_states)  # fmt: skip
+
+    # -- the pass in parts (a LoRA over the experts adds its terms between them: peft_lora.NVFP4ExpertsLora) -------
+    def check_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The activations in the autocast dtype where autocast is on; bf16/fp16/fp32 only."""
         if torch.is_autocast_enabled(hidden_states.device.type):
             hidden_states = hidden_states.to(torch.get_autocast_dtype(hidden_states.device.type))
         if hidden_states.dtype not in ACTIVATION_DTYPES:
             raise TypeError(f"NVFP4Experts takes bf16/fp16/fp32 activations, got {hidden_states.dtype}")
-        # The (token, slot) pairs sorted by expert, each expert's rows one slice. Grouped (bf16): two grouped GEMMs
-        # and no host sync. Else one GEMM pair an expert and one host sync a layer (the counts), where transformers'
-        # eager loop syncs twice an expert: 128 experts x 48 layers x 3 passes a micro-batch at Qwen3-30B-A3B.
+        return hidden_states
+
+    def route(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> Routed | None:
+        """The (token, slot) pairs sorted by expert, each expert's rows one slice (None: no pair). Grouped (bf16):
+        two grouped GEMMs a projection and no host sync. Else one GEMM pair an expert and one host sync a layer (the
+        counts), where transformers' eager loop syncs twice an expert: 128 experts x 48 layers x 3 passes a
+        micro-batch at Qwen3-30B-A3B."""
         k = top_k_index.shape[-1]
         with torch.no_grad():
             flat = top_k_index.reshape(-1)
@@ -160,21 +194,26 @@ class NVFP4Experts(nn.Module):
             token_of = torch.div(order, k, rounding_mode="floor")
         rows = hidden_states[token_of]
         if grouped_mm_usable(rows):
-            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            gate, up = _GroupedExpertsFn.apply(rows, offsets, self, "gate_up").chunk(2, dim=-1)
-            out = _GroupedExpertsFn.apply(self.act_fn(gate) * up, offsets, self, "down")
-        else:
-            outs, start = [], 0
-            for e, n in enumerate(counts.tolist()):
-                if n:
-                    gate, up = self._matmul(rows[start : start + n], "gate_up", e).chunk(2, dim=-1)
-                    outs.append(self._matmul(self.act_fn(gate) * up, "down", e))
-                    start += n
-            if not outs:
-                return torch.zeros_like(hidden_states)
-            out = torch.cat(outs)
-        out = out * top_k_weights.reshape(-1)[order, None]
-        return torch.zeros_like(hidden_states).index_add_(0, token_of, out.to(hidden_states.dtype))
+            return Routed(rows, order, token_of, offsets=torch.cumsum(counts, 0, dtype=torch.int32))
+        slices, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                slices.append((e, start, start + n))
+                start += n
+        return Routed(rows, order, token_of, slices=slices) if slices else None
+
+    def project(self, routed: Routed, x: torch.Tensor, stack: str) -> torch.Tensor:
+        """``x`` (rows in the routed order) through each row's expert's ``stack`` (``"gate_up"`` or ``"down"``)."""
+        if routed.offsets is not None:
+            return _GroupedExpertsFn.apply(x, routed.offsets, self, stack)
+        return torch.cat([self._matmul(x[a:b], stack, e) for e, a, b in routed.slices])
+
+    @staticmethod
+    def combine(routed: Routed, out: torch.Tensor, top_k_weights: torch.Tensor,
+                hidden_states: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Each row's output weighted by its routing weight, summed back onto its token."""
+        out = out * top_k_weights.reshape(-1)[routed.order, None]
+        return torch.zeros_like(hidden_states).index_add_(0, routed.token_of, out.to(hidden_states.dtype))
 
     # -- state dict: per expert, as llm-compressor saves a MoE for vLLM --------------------------------------------
     def _per_expert(self, prefix: str):

@@ -98,7 +98,7 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
         check_vllm_layout(base.config, args)
         own_lora = check_peft_model(model)[1]
         check_lora_early(own_lora, args)
-        check_moe_lora(base.config, own_lora)
+        check_moe_lora(base.config, own_lora, args.use_vllm)
         split = split_peft_model(model)
         model, peft_config = split.base, split.lora_config
     else:
@@ -115,7 +115,7 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
         base = _base_model(model)
         check_architecture(base.config, type(base).__name__, args.experimental_moe)
         check_vllm_layout(base.config, args)
-        check_moe_lora(base.config, peft_config)
+        check_moe_lora(base.config, peft_config, args.use_vllm)
         if not has_nvfp4(model):
             quantize_instance(model, args.nvfp4_modules_to_not_convert, args.experimental_moe)
     if split is None:
@@ -160,17 +160,29 @@ def attention_lora_for_moe(lora_config: Any, model: nn.Module) -> Any:
 #: module names of one MoE decoder layer (and the model's ends) a LoRA target must not reach: a regex target is
 #: matched against them as PEFT matches names (``re.fullmatch``)
 _MOE_NON_ATTENTION_NAMES = (
-    "model.layers.0.mlp.gate", "model.layers.0.mlp.experts", "model.layers.0.mlp.gate_proj",
+    "model.layers.0.mlp.gate", "model.layers.0.mlp.gate_proj",
     "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj", "model.layers.0.mlp.shared_expert.gate_proj",
     "model.layers.0.mlp.shared_expert_gate", "model.embed_tokens", "lm_head",
 )
 
 
-def check_moe_lora(config: Any, lora_config: Any) -> None:
+def targets_experts(lora_config: Any) -> bool:
+    """Whether a LoRA config puts a LoRA on a MoE's routed experts (``"experts"`` in ``target_modules``, or a regex
+    reaching ``model.layers.<i>.mlp.experts``)."""
+    import re
+
+    targets = getattr(lora_config, "target_modules", None)
+    if isinstance(targets, str):
+        return targets != "all-linear" and re.fullmatch(targets, "model.layers.0.mlp.experts") is not None
+    return "experts" in set(targets or ())
+
+
+def check_moe_lora(config: Any, lora_config: Any, use_vllm: bool = False) -> None:
     """A MoE policy's LoRA goes on its attention projections (q/k/v/o_proj, or "all-linear", which means them
-    there). Refuse, before any weight loads, targets on the packed experts, the router or elsewhere: no LoRA layer
-    over packed NVFP4 experts exists yet (issue #54), and PEFT would skip such a name quietly (the experts are not
-    Linears) or put ``target_parameters`` on the dense expert tensors the packed base does not keep."""
+    there) and, asked for by name (``"experts"``), on its routed experts (``peft_lora.NVFP4ExpertsLora``). Refuse,
+    before any weight loads, targets on the router or elsewhere (PEFT would skip such a name quietly: those are not
+    Linears), ``target_parameters`` (PEFT's way to the dense expert tensors the packed base does not keep), and an
+    expert LoRA with vLLM rollouts (serving it is not built yet)."""
     import re
 
     if lora_config is None or not moe_expert_count(config):
@@ -185,14 +197,21 @@ def check_moe_lora(config: Any, lora_config: Any) -> None:
         if hits:
             bad.append(f"target_modules={targets!r} (matches {hits[0]})")
     else:
-        extra = sorted(set(targets or ()) - set(MOE_LORA_TARGETS))
+        extra = sorted(set(targets or ()) - set(MOE_LORA_TARGETS) - {"experts"})
         if extra:
             bad.append(f"target_modules {extra}")
     if bad:
         raise ValueError(
-            f"On a mixture-of-experts policy the LoRA goes on the attention projections {list(MOE_LORA_TARGETS)}"
-            f" only (a LoRA on the NVFP4 experts or the router is not built yet); got {'; '.join(bad)}. Use "
-            "target_modules='all-linear' (the attention there) or a subset of those four."
+            f"On a mixture-of-experts policy the LoRA goes on the attention projections {list(MOE_LORA_TARGETS)} "
+            f"and, by the name 'experts', on the routed experts (each expert's gate, up and down); got "
+            f"{'; '.join(bad)}. Use target_modules='all-linear' (the attention there), a subset of those four, "
+            "and 'experts' to add the experts."
+        )
+    if use_vllm and targets_experts(lora_config):
+        raise ValueError(
+            "A LoRA on the routed experts trains with use_vllm=False for now: serving it in QeRL's vLLM engine is "
+            "not built yet (issue #54; its adapter saves per expert, as vLLM's MoE LoRA reads one). Train it with "
+            "use_vllm=False, or keep the LoRA on the attention (drop 'experts' from target_modules)."
         )
 
 
@@ -281,7 +300,7 @@ def load_nvfp4_model(model_id: str, args: QeRLGRPOConfig, lora_config: Any = Non
     )
     check_architecture(config, allow_moe=args.experimental_moe)
     check_vllm_layout(config, args)
-    check_moe_lora(config, lora_config)
+    check_moe_lora(config, lora_config, args.use_vllm)
     qc = getattr(config, "quantization_config", None)
     qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
     is_nvfp4 = is_nvfp4a16_config({"quantization_config": qc})
