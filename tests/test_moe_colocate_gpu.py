@@ -30,17 +30,19 @@ SHAPE = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256
              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64)  # fmt: skip
 
 
-@pytest.mark.parametrize("lora_backend", ["qerl", "vllm"])
+@pytest.mark.parametrize("lora_backend", ["qerl", "vllm", "vllm+experts"])
 def test_colocate_training_of_a_qwen3_moe_policy(tmp_path, lora_backend):
-    """Each backend in its own process: one colocated engine per process, as in training."""
+    """Each backend in its own process: one colocated engine per process, as in training. ``vllm+experts``: a LoRA
+    on every routed expert too (``target_modules`` naming ``"experts"``), served by vLLM's fused-MoE LoRA."""
     pytest.importorskip("vllm")
     from colocate_job import run_job_in_child
 
     run_job_in_child(__file__, lora_backend, tmp_path)
 
 
-def _job(lora_backend: str, tmp_path) -> None:
+def _job(case: str, tmp_path) -> None:
     from datasets import Dataset
+    from peft import LoraConfig
     from transformers import AutoTokenizer
 
     from benchmarks import random_models as rm
@@ -49,6 +51,11 @@ def _job(lora_backend: str, tmp_path) -> None:
     from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
     from qerl_trl.nvfp4.experts import NVFP4Experts
 
+    import torch
+
+    lora_backend, _, on_experts = case.partition("+")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["experts"] if on_experts else [])
+    lora = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=targets)
     config = rm.qwen3_moe_config("qwen3-30b-a3b", **SHAPE)
     path = rm.write_bf16_checkpoint(os.path.join(WORK, "moe-small-bf16"), config, device="cuda", seed=0)
     tok = AutoTokenizer.from_pretrained(path)
@@ -65,7 +72,7 @@ def _job(lora_backend: str, tmp_path) -> None:
         return [float(sum(map(ord, c)) % 97) / 97 for c in completions]
 
     prompts = rm.make_prompts(8, 64, seed=0, tokenizer=tok)
-    trainer = QeRLGRPOTrainer(model=path, reward_funcs=reward, args=args,
+    trainer = QeRLGRPOTrainer(model=path, reward_funcs=reward, args=args, peft_config=lora if on_experts else None,
                               train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)  # fmt: skip
     gen = trainer.vllm_generation
     served = gen.llm.apply_model(expert_kernels_of)[0]
@@ -74,12 +81,15 @@ def _job(lora_backend: str, tmp_path) -> None:
 
     experts, lora0 = train_and_check(trainer, NVFP4Experts, "gate_up_packed", (1e-2, 1e-3, 3))
     assert len(experts) == SHAPE["num_hidden_layers"]
-    assert lora0 and all("self_attn" in n for n in lora0), "the LoRA is on the attention only"
+    if on_experts:  # the experts' LoRA trained too (check_trained: the LoRA moved, vLLM's log-probs follow it)
+        moved = [n for n, p in trainer.model.named_parameters() if ".mlp.experts.lora_B" in n
+                 and not torch.equal(p.detach(), lora0[n])]  # fmt: skip
+        assert moved, "the experts' LoRA did not train"
+    else:
+        assert lora0 and all("self_attn" in n for n in lora0), "the LoRA is on the attention only"
 
     # the noise-free norms and the trained adapter are in the engine (the log-prob check synced them)
     import json
-
-    import torch
 
     from qerl_trl.trainer.moe_routing import check_routing
 

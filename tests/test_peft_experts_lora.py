@@ -222,4 +222,28 @@ def test_vllms_lora_loader_reads_the_saved_expert_adapter(tmp_path, monkeypatch)
     want_b = b.experts_down[3].detach()
     assert torch.equal(got.lora_b, want_b) or torch.allclose(got.lora_b, want_b * layer.scaling["default"])
     gate = lora.loras["model.layers.0.mlp.experts.0.gate_proj"]
-    assert tuple(gate.lora_a.shape) == (8, cfg.hidden_size) and tuple(gate.lora_b.shape) == (cfg.moe_intermediate_size, 8)
+    assert tuple(gate.lora_a.shape) == (8, cfg.hidden_size)
+    assert tuple(gate.lora_b.shape) == (cfg.moe_intermediate_size, 8)
+    # the "vllm" backend's in-place refresh hands vLLM the same tensors without files (from_lora_tensors)
+    from qerl_trl.trainer.vllm_serving import peft_to_vllm_lora_tensors
+
+    sent = {k: v.clone() for k, v in peft_to_vllm_lora_tensors(peft_model).items()}
+    fresh = LoRAModel.from_lora_tensors(2, sent, helper, device="cpu", dtype=torch.float32)
+    assert fresh.loras.keys() == lora.loras.keys()
+    assert torch.equal(fresh.loras["model.layers.1.mlp.experts.3.down_proj"].lora_a, got.lora_a)
+
+
+def test_the_vllm_backend_sends_the_expert_lora_per_expert_and_the_in_layer_backend_refuses_it():
+    """The "vllm" backend's sync reads the adapter in PEFT's saved per-expert layout (what vLLM's loader and its
+    in-place refresh take); QeRL's in-layer method serves Linears only, and says which backend serves experts."""
+    from peft.utils import get_peft_model_state_dict
+
+    from qerl_trl.trainer.vllm_serving import peft_lora_modules, peft_to_vllm_lora_tensors
+
+    peft_model = _peft(packed_moe())
+    _randomize_b(peft_model)
+    sent = peft_to_vllm_lora_tensors(peft_model)
+    saved = get_peft_model_state_dict(peft_model)
+    assert sent.keys() == saved.keys() and all(torch.equal(sent[k], saved[k]) for k in saved)
+    with pytest.raises(ValueError, match="vllm_lora_backend='vllm'"):
+        peft_lora_modules(peft_model)

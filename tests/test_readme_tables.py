@@ -299,7 +299,7 @@ def test_the_h100_step_tables_are_the_json_rows():
     for cells in body:
         size = {"30B-A3B": "30b-a3b", "7B": "7b"}[cells[0].split(",")[0]]
         run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
-        (row,) = [r for r in rows if r.get("run") == run and r["size"] == size]
+        (row,) = [r for r in rows if r.get("run") == run and r["size"] == size and r["arm"] == "qerl_single_lora"]
         assert row["status"] == "ok" and row["commit"].startswith(commit) and row["fused_is"]
         assert row["sleep"] == ("no sleep" not in cells[0])
         _check_step_cells(cells, row)

@@ -107,9 +107,16 @@ def test_lora_targets_off_the_attention_of_a_moe_are_refused_before_anything_loa
     for ok in (["q_proj", "v_proj"], "all-linear", r".*self_attn\.(q|v)_proj", ["q_proj", "experts"],
                r".*(self_attn\.q_proj|mlp\.experts)"):  # fmt: skip
         check_moe_lora(qwen3, LoraConfig(target_modules=ok))
-    with pytest.raises(ValueError, match="use_vllm=False for now"):  # the expert LoRA is not served in vLLM yet
-        check_moe_lora(qwen3, LoraConfig(target_modules=["q_proj", "experts"]), use_vllm=True)
-    check_moe_lora(qwen3, LoraConfig(target_modules=["q_proj"]), use_vllm=True)
+    from types import SimpleNamespace
+
+    experts = LoraConfig(target_modules=["q_proj", "experts"])
+    for backend, mode, said in (("qerl", "colocate", "vllm_lora_backend='vllm'"), ("vllm", "server", "colocate mode")):
+        args = SimpleNamespace(use_vllm=True, vllm_lora_backend=backend, vllm_mode=mode)
+        with pytest.raises(ValueError, match=said):  # the expert LoRA is served by vLLM's adapters in colocate mode
+            check_moe_lora(qwen3, experts, args)
+        check_moe_lora(qwen3, LoraConfig(target_modules=["q_proj"]), args)
+    check_moe_lora(qwen3, experts, SimpleNamespace(use_vllm=True, vllm_lora_backend="vllm", vllm_mode="colocate"))
+    check_moe_lora(qwen3, experts, SimpleNamespace(use_vllm=False, vllm_lora_backend="qerl", vllm_mode="colocate"))
     dense = rm.qwen25_config("qwen2.5-7b")
     check_moe_lora(dense, LoraConfig(target_modules=["q_proj", "gate_proj"]))  # a dense model: as before
     for bad, said in ((["q_proj", "gate_proj"], r"target_modules \['gate_proj'\]"),

@@ -109,8 +109,8 @@ class QeRLGRPOConfig(GRPOConfig):
             Train a Qwen3-MoE policy (16-bit or NVFP4A16 checkpoint, or model): its routed experts in NVFP4
             (`NVFP4Experts`, packed on load or read packed, frozen), its attention in NVFP4 with the LoRA
             (`"all-linear"` reaches no expert or router; `"experts"` in `target_modules` adds a LoRA on every routed
-            expert, trained with `use_vllm=False` for now; other targets off the attention are refused), the router
-            16-bit. Its vLLM colocate path passed the GPU suite's checks on a small Qwen3-MoE with both LoRA
+            expert, served by `vllm_lora_backend="vllm"` in colocate mode, not yet run on a GPU; other targets off
+            the attention are refused), the router 16-bit. Its vLLM colocate path passed the GPU suite's checks on a small Qwen3-MoE with both LoRA
             backends, and a Qwen3-30B-A3B-shaped step ran on an H200 (docs/benchmarks.md). Without it a MoE model is
             refused before anything loads.
         vllm_return_routed_experts (`bool`, defaults to `False`):

@@ -98,7 +98,7 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
         check_vllm_layout(base.config, args)
         own_lora = check_peft_model(model)[1]
         check_lora_early(own_lora, args)
-        check_moe_lora(base.config, own_lora, args.use_vllm)
+        check_moe_lora(base.config, own_lora, args)
         split = split_peft_model(model)
         model, peft_config = split.base, split.lora_config
     else:
@@ -115,7 +115,7 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
         base = _base_model(model)
         check_architecture(base.config, type(base).__name__, args.experimental_moe)
         check_vllm_layout(base.config, args)
-        check_moe_lora(base.config, peft_config, args.use_vllm)
+        check_moe_lora(base.config, peft_config, args)
         if not has_nvfp4(model):
             quantize_instance(model, args.nvfp4_modules_to_not_convert, args.experimental_moe)
     if split is None:
@@ -177,12 +177,13 @@ def targets_experts(lora_config: Any) -> bool:
     return "experts" in set(targets or ())
 
 
-def check_moe_lora(config: Any, lora_config: Any, use_vllm: bool = False) -> None:
+def check_moe_lora(config: Any, lora_config: Any, args: Any = None) -> None:
     """A MoE policy's LoRA goes on its attention projections (q/k/v/o_proj, or "all-linear", which means them
     there) and, asked for by name (``"experts"``), on its routed experts (``peft_lora.NVFP4ExpertsLora``). Refuse,
     before any weight loads, targets on the router or elsewhere (PEFT would skip such a name quietly: those are not
     Linears), ``target_parameters`` (PEFT's way to the dense expert tensors the packed base does not keep), and an
-    expert LoRA with vLLM rollouts (serving it is not built yet)."""
+    expert LoRA in rollouts that cannot serve it: QeRL's in-layer method serves Linears only, and a server is not
+    wired for it; vLLM's adapters in colocate mode serve it (``args``: the trainer's config)."""
     import re
 
     if lora_config is None or not moe_expert_count(config):
@@ -207,12 +208,18 @@ def check_moe_lora(config: Any, lora_config: Any, use_vllm: bool = False) -> Non
             f"{'; '.join(bad)}. Use target_modules='all-linear' (the attention there), a subset of those four, "
             "and 'experts' to add the experts."
         )
-    if use_vllm and targets_experts(lora_config):
-        raise ValueError(
-            "A LoRA on the routed experts trains with use_vllm=False for now: serving it in QeRL's vLLM engine is "
-            "not built yet (issue #54; its adapter saves per expert, as vLLM's MoE LoRA reads one). Train it with "
-            "use_vllm=False, or keep the LoRA on the attention (drop 'experts' from target_modules)."
-        )
+    if args is not None and args.use_vllm and targets_experts(lora_config):
+        if args.vllm_mode != "colocate":
+            raise ValueError(
+                "A LoRA on the routed experts is served in colocate mode only for now (a `qerl-trl vllm-serve` server "
+                "is not wired for it): set vllm_mode='colocate', or drop 'experts' from target_modules."
+            )
+        if args.vllm_lora_backend != "vllm":
+            raise ValueError(
+                "A LoRA on the routed experts is served by vLLM's own LoRA adapters (its fused-MoE LoRA), not by "
+                "QeRL's in-layer method, which serves Linear layers: set vllm_lora_backend='vllm', or drop 'experts' "
+                "from target_modules."
+            )
 
 
 def check_architecture(config: Any, model_class_name: str | None = None, allow_moe: bool = False) -> str:
@@ -300,7 +307,7 @@ def load_nvfp4_model(model_id: str, args: QeRLGRPOConfig, lora_config: Any = Non
     )
     check_architecture(config, allow_moe=args.experimental_moe)
     check_vllm_layout(config, args)
-    check_moe_lora(config, lora_config, args.use_vllm)
+    check_moe_lora(config, lora_config, args)
     qc = getattr(config, "quantization_config", None)
     qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
     is_nvfp4 = is_nvfp4a16_config({"quantization_config": qc})

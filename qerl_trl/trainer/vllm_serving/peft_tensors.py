@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...peft_lora import EXPERT_PROJECTIONS, NVFP4ExpertsLora
 from ...vllm_plugin import OTHER_BACKEND_HINT  # the package imports no vLLM
 
 __all__ = ["lora_target_leaves", "peft_lora_modules", "peft_to_vllm_lora_tensors"]
@@ -25,7 +26,8 @@ def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -
         lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
         extra = [key for key in ("lora_embedding_A", "lora_magnitude_vector")
                  if adapter_name in (getattr(module, key, None) or {})]  # fmt: skip
-        if isinstance(lora_b, nn.ModuleDict) and adapter_name in lora_b and lora_b[adapter_name].bias is not None:
+        if (isinstance(lora_b, nn.ModuleDict) and adapter_name in lora_b
+                and getattr(lora_b[adapter_name], "bias", None) is not None):  # fmt: skip
             extra.append("lora_B bias")
         if extra or (isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
                      and adapter_name in module.modules_to_save):  # fmt: skip
@@ -34,6 +36,12 @@ def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -
                 "can serve only plain LoRA adapters (no DoRA magnitudes, biases, embeddings or modules_to_save)."
             )
         if not isinstance(lora_a, nn.ModuleDict) or adapter_name not in lora_a:
+            continue
+        if isinstance(module, NVFP4ExpertsLora):  # per expert, as vLLM's fused-MoE LoRA reads an adapter
+            for stacked, proj in EXPERT_PROJECTIONS:
+                a, b = getattr(lora_a[adapter_name], stacked).detach(), getattr(lora_b[adapter_name], stacked).detach()
+                for e in range(a.shape[0]):
+                    out[f"{name}.{e}.{proj}.lora_A.weight"], out[f"{name}.{e}.{proj}.lora_B.weight"] = a[e], b[e]
             continue
         out[f"{name}.lora_A.weight"] = lora_a[adapter_name].weight.detach()
         out[f"{name}.lora_B.weight"] = lora_b[adapter_name].weight.detach()
@@ -59,6 +67,9 @@ def peft_lora_modules(
         lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
         if not isinstance(lora_a, nn.ModuleDict) or adapter_name not in lora_a:
             continue
+        if isinstance(module, NVFP4ExpertsLora):
+            raise ValueError(f"{name} carries a LoRA on the routed experts, which vllm_lora_backend='qerl' does not "
+                             f"serve (it serves Linear layers). {OTHER_BACKEND_HINT}")  # fmt: skip
         out[name.removeprefix("base_model.model.")] = (lora_a[adapter_name].weight.detach(),
                                                        lora_b[adapter_name].weight.detach())  # fmt: skip
         scalings.add(float(module.scaling[adapter_name]))
