@@ -117,7 +117,34 @@ except ImportError:  # pragma: no cover - peft is a hard dependency; keep the fo
 
 if LoraLayer is not None:
 
-    class NVFP4LoraLinear(nn.Module, LoraLayer):
+    class _NVFP4LoraLayer(nn.Module, LoraLayer):
+        """What every LoRA over a frozen packed NVFP4 base shares: PEFT's layer set-up, plain LoRA only (no
+        variant), merging refused (:class:`NVFP4MergeError`)."""
+
+        def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1,
+                     **kwargs: Any) -> None:  # fmt: skip
+            super().__init__()
+            LoraLayer.__init__(self, base_layer)
+            self.fan_in_fan_out = False
+            self._active_adapter = adapter_name
+            self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+
+        def resolve_lora_variant(self, *, config, **kwargs):
+            return None  # plain LoRA: update_layer's check_lora_config_for_nvfp4 has refused every variant
+
+        def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+            raise _merge_error("merge")
+
+        def unmerge(self) -> None:
+            if not self.merged:
+                warnings.warn("Already unmerged. Nothing to do.")
+                return
+            raise _merge_error("unmerge")  # pragma: no cover - merge() never succeeds
+
+        def __repr__(self) -> str:
+            return "lora." + super().__repr__()
+
+    class NVFP4LoraLinear(_NVFP4LoraLayer):
         """LoRA on a frozen :class:`NVFP4Linear`: ``y = base(x) + s * B(A(dropout(x)))``.
 
         The base runs through the NVFP4 matmul (no dense weight is kept for backward); only ``lora_A``/
@@ -127,21 +154,6 @@ if LoraLayer is not None:
         :class:`NVFP4MergeError`.
         """
 
-        def __init__(
-            self,
-            base_layer: nn.Module,
-            adapter_name: str,
-            config,
-            r: int = 0,
-            lora_alpha: int = 1,
-            **kwargs: Any,
-        ) -> None:
-            super().__init__()
-            LoraLayer.__init__(self, base_layer)
-            self.fan_in_fan_out = False
-            self._active_adapter = adapter_name
-            self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
-
         # -- PEFT hooks --------------------------------------------------------------------------------
         def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
             base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
@@ -150,22 +162,9 @@ if LoraLayer is not None:
         def _get_base_layer_device_and_dtype(self, base_layer: nn.Module):
             return base_layer.weight_packed.device, base_layer.compute_dtype
 
-        def resolve_lora_variant(self, *, config, **kwargs):
-            return None  # plain LoRA: update_layer's check_lora_config_for_nvfp4 has refused every variant
-
         def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs: Any) -> None:
             check_lora_config_for_nvfp4(config)
             super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
-
-        # -- merging (refused) ------------------------------------------------------------------------
-        def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-            raise _merge_error("merge")
-
-        def unmerge(self) -> None:
-            if not self.merged:
-                warnings.warn("Already unmerged. Nothing to do.")
-                return
-            raise _merge_error("unmerge")  # pragma: no cover - merge() never succeeds
 
         def get_delta_weight(self, adapter: str) -> torch.Tensor:
             """``s · B A`` as a dense ``[out, in]`` tensor (for inspection; never added to the FP4 base)."""
@@ -195,9 +194,6 @@ if LoraLayer is not None:
                 result = result + (lora_B(lora_A(dropout(x))) * scaling).to(result_dtype)
             return result
 
-        def __repr__(self) -> str:
-            return "lora." + super().__repr__()
-
     class _ExpertStacks(nn.Module):
         """One adapter's A (or B) matrices of every routed expert, stacked [experts, ...] per projection."""
 
@@ -209,7 +205,7 @@ if LoraLayer is not None:
     #: the stacked parameters' names and the per-expert projections they save as (transformers / vLLM names)
     EXPERT_PROJECTIONS = (("experts_gate", "gate_proj"), ("experts_up", "up_proj"), ("experts_down", "down_proj"))
 
-    class NVFP4ExpertsLora(nn.Module, LoraLayer):
+    class NVFP4ExpertsLora(_NVFP4LoraLayer):
         """LoRA on every routed expert of a frozen :class:`~qerl_trl.nvfp4.NVFP4Experts`: expert ``e``'s gate, up and
         down projections each get ``s * B_e A_e`` (``target_modules`` naming ``"experts"``, issue #54).
 
@@ -222,23 +218,12 @@ if LoraLayer is not None:
         adapter, plain LoRA, no dropout; merging is refused as on every NVFP4 layer.
         """
 
-        def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1,
-                     **kwargs: Any) -> None:  # fmt: skip
-            super().__init__()
-            LoraLayer.__init__(self, base_layer)
-            self.fan_in_fan_out = False
-            self._active_adapter = adapter_name
-            self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
-
         def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
             base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
             return base.hidden, base.hidden
 
         def _get_base_layer_device_and_dtype(self, base_layer: nn.Module):
             return base_layer.gate_up_packed.device, None  # the packed stacks are integers: no dtype to follow
-
-        def resolve_lora_variant(self, *, config, **kwargs):
-            return None
 
         def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs: Any) -> None:
             check_lora_config_for_nvfp4(config)
@@ -280,15 +265,6 @@ if LoraLayer is not None:
             self.lora_bias[adapter_name] = False
             self.set_adapter(self.active_adapters)
 
-        def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-            raise _merge_error("merge")
-
-        def unmerge(self) -> None:
-            if not self.merged:
-                warnings.warn("Already unmerged. Nothing to do.")
-                return
-            raise _merge_error("unmerge")  # pragma: no cover - merge() never succeeds
-
         @staticmethod
         def _delta(base: nn.Module, routed, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             """``x @ A_e^T @ B_e^T`` for each row's expert ``e``: two grouped GEMMs, or one pair an expert."""
@@ -319,9 +295,6 @@ if LoraLayer is not None:
             out = base.project(routed, h, "down")
             out = out + (self._delta(base, routed, h, a.experts_down, b.experts_down) * s).to(dtype)
             return base.combine(routed, out, top_k_weights, hidden_states)
-
-        def __repr__(self) -> str:
-            return "lora." + super().__repr__()
 
     def _experts_lora_layers(model: nn.Module) -> list[tuple[str, int]]:
         """``[(module name, experts)]`` of every :class:`NVFP4ExpertsLora` in ``model``."""
