@@ -101,13 +101,11 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             return PlainMethod()
 
     fp4_kernel = "marlin"
-    ahead = mode.endswith("+ahead")  # Humming's kernels compiled ahead, for the engine's rows only
-    mode = mode.removesuffix("+ahead")
     if mode.endswith("+humming"):  # Humming where the shape fits (o, gate_up, down), Marlin for qkv (k/v: 64 rows)
         fp4_kernel = "humming"
         mode = mode.removesuffix("+humming")
         if device == "cpu":
-            _stand_in_humming(ahead)
+            _stand_in_humming()
     dtype = torch.float32 if mode == "plain" else torch.bfloat16
     torch.set_default_dtype(dtype)
     torch.set_float32_matmul_precision("highest")  # plain mode compares fp32 to 1e-5: no TF32 on a GPU
@@ -118,96 +116,114 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
         initialize_model_parallel(tp_size)
         if device == "cuda":
             torch.cuda.set_device(tp_rank)
-        torch.set_default_device(device)
-        if mode == "plain":
-            q = LoRAOnPlain()
-        else:  # the registered quantization config on a compressed-tensors NVFP4A16 config (what the engine builds)
-            from qerl_trl.quantizer.checkpoint import compressed_tensors_config
-            from qerl_trl.vllm_plugin import lora_quantization_overrides
-            from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
 
+        def serve(ahead: bool):
+            """Build the four layers (with ``ahead``: Humming's kernels compiled ahead), load, push, compare."""
+            torch.set_default_device(device)
+            if mode == "plain":
+                q = LoRAOnPlain()
+            else:  # the registered quantization config on a compressed-tensors NVFP4A16 config (what the engine builds)
+                from qerl_trl.quantizer.checkpoint import compressed_tensors_config
+                from qerl_trl.vllm_plugin import lora_quantization_overrides
+                from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
+
+                if device == "cpu":
+                    _dequantizing_nvfp4_kernel()
+                ct = {"quantization_config": compressed_tensors_config([])}
+                q = QeRLNVFP4LoRAConfig.from_config(
+                    lora_quantization_overrides(ct, RANK, targets, fp4_kernel,
+                                                humming_ahead=ahead)["quantization_config"])  # fmt: skip
+                q.packed_modules_mapping = packed
+            qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=q,
+                                    prefix=f"{PREFIX}.self_attn.qkv_proj")  # fmt: skip
+            o = RowParallelLinear(HEADS * HEAD, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.o_proj")
+            gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, quant_config=q,
+                                                 prefix=f"{PREFIX}.mlp.gate_up_proj")  # fmt: skip
+            down = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.mlp.down_proj")
+            torch.set_default_device("cpu")
+
+            full = _full_weights()
+            if mode == "plain":
+                for shard, name in zip("qkv", ["q_proj", "k_proj", "v_proj"]):
+                    qkv.weight.weight_loader(qkv.weight, full[name], shard)
+                for shard, name in enumerate(["gate_proj", "up_proj"]):
+                    gate_up.weight.weight_loader(gate_up.weight, full[name], shard)
+                o.weight.weight_loader(o.weight, full["o_proj"])
+                down.weight.weight_loader(down.weight, full["down_proj"])
+            else:
+                _load_nvfp4(full, qkv, zip("qkv", ["q_proj", "k_proj", "v_proj"]))
+                _load_nvfp4(full, gate_up, enumerate(["gate_proj", "up_proj"]))
+                _load_nvfp4(full, o, [(None, "o_proj")])
+                _load_nvfp4(full, down, [(None, "down_proj")])
+            for layer in (qkv, o, gate_up, down):
+                layer.quant_method.process_weights_after_loading(layer)
+            if fp4_kernel == "humming":
+                from qerl_trl.vllm_plugin.single_lora import fp4_kernels_of
+
+                got = fp4_kernels_of(nn.ModuleDict({"qkv": qkv, "o": o, "gate_up": gate_up, "down": down}))
+                assert got["o"] == got["gate_up"] == got["down"] == "humming", got
+                assert got["qkv"].startswith("marlin: ") and "not a multiple of 128" in got["qkv"], got
+                if ahead:
+                    _check_humming_ahead(q, {"o": o, "gate_up": gate_up, "down": down}, qkv)
+
+            tree = nn.Module()
+            tree.model = nn.Module()
+            tree.model.layers = nn.ModuleList([nn.Module()])
+            tree.model.layers[0].self_attn = nn.ModuleDict({"qkv_proj": qkv, "o_proj": o})
+            tree.model.layers[0].mlp = nn.ModuleDict({"gate_up_proj": gate_up, "down_proj": down})
+            adapters = {}
+            for name in targets:
+                group = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                adapters[f"{PREFIX}.{group}.{name}"] = (full[name + ".A"], full[name + ".B"])
+            filled = push_lora_in_place(tree, adapters, SCALING)
+
+            x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype).float()
+            xo = torch.randn(5, HEADS * HEAD, generator=torch.Generator().manual_seed(2)).to(dtype).float()
+            xd = torch.randn(5, INTER, generator=torch.Generator().manual_seed(3)).to(dtype).float()
+            dev = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+
+            def ref(name, inp):
+                y = inp @ full[name].T
+                if name in targets:
+                    y = y + SCALING * (inp @ full[name + ".A"].T) @ full[name + ".B"].T
+                return y
+
+            def rel(got, want):  # max error relative to the largest reference entry
+                return (got - want).abs().max() / want.abs().max()
+
+            errs = {}
+            out = qkv(dev(x))[0].float().cpu()
+            local_q, local_kv = HEADS * HEAD // tp_size, max(1, KV_HEADS // tp_size) * HEAD
+            kv_shard = tp_rank // max(1, tp_size // KV_HEADS)
+            got_q, got_k, got_v = out.split([local_q, local_kv, local_kv], dim=1)
+            errs["q_proj"] = rel(got_q, ref("q_proj", x)[:, tp_rank * local_q : (tp_rank + 1) * local_q])
+            errs["k_proj"] = rel(got_k, ref("k_proj", x)[:, kv_shard * local_kv : (kv_shard + 1) * local_kv])
+            errs["v_proj"] = rel(got_v, ref("v_proj", x)[:, kv_shard * local_kv : (kv_shard + 1) * local_kv])
+            local_i = INTER // tp_size
+            got_g, got_u = gate_up(dev(x))[0].float().cpu().split([local_i, local_i], dim=1)
+            errs["gate_proj"] = rel(got_g, ref("gate_proj", x)[:, tp_rank * local_i : (tp_rank + 1) * local_i])
+            errs["up_proj"] = rel(got_u, ref("up_proj", x)[:, tp_rank * local_i : (tp_rank + 1) * local_i])
+            lo = HEADS * HEAD // tp_size
+            errs["o_proj"] = rel(o(dev(xo[:, tp_rank * lo : (tp_rank + 1) * lo]))[0].float().cpu(), ref("o_proj", xo))
+            down_in = dev(xd[:, tp_rank * local_i : (tp_rank + 1) * local_i])
+            errs["down_proj"] = rel(down(down_in)[0].float().cpu(), ref("down_proj", xd))
+            # pushing nothing zeroes every LoRA slot: the layers serve the bare base again (clear_lora does this)
+            assert push_lora_in_place(tree, {}, SCALING) == filled
+            bare = qkv(dev(x))[0].float().cpu()[:, :local_q]
+            errs["bare_base"] = rel(bare, (x @ full["q_proj"].T)[:, tp_rank * local_q : (tp_rank + 1) * local_q])
+            push_lora_in_place(tree, adapters, SCALING)
+            bare_q = (x @ full["q_proj"].T)[:, tp_rank * local_q : (tp_rank + 1) * local_q]
+            lora_moves = float((qkv(dev(x))[0].float().cpu()[:, :local_q] - bare_q).abs().max())
+            return errs, filled, lora_moves
+
+        errs, filled, lora_moves = serve(False)
+        if fp4_kernel == "humming":  # the same layers again with vllm_humming_compile_ahead, in this process
             if device == "cpu":
-                _dequantizing_nvfp4_kernel()
-            ct = {"quantization_config": compressed_tensors_config([])}
-            q = QeRLNVFP4LoRAConfig.from_config(
-                lora_quantization_overrides(ct, RANK, targets, fp4_kernel, humming_ahead=ahead)["quantization_config"])
-            q.packed_modules_mapping = packed
-        qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.qkv_proj")
-        o = RowParallelLinear(HEADS * HEAD, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.o_proj")
-        gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, quant_config=q, prefix=f"{PREFIX}.mlp.gate_up_proj")
-        down = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.mlp.down_proj")
-        torch.set_default_device("cpu")
-
-        full = _full_weights()
-        if mode == "plain":
-            for shard, name in zip("qkv", ["q_proj", "k_proj", "v_proj"]):
-                qkv.weight.weight_loader(qkv.weight, full[name], shard)
-            for shard, name in enumerate(["gate_proj", "up_proj"]):
-                gate_up.weight.weight_loader(gate_up.weight, full[name], shard)
-            o.weight.weight_loader(o.weight, full["o_proj"])
-            down.weight.weight_loader(down.weight, full["down_proj"])
-        else:
-            _load_nvfp4(full, qkv, zip("qkv", ["q_proj", "k_proj", "v_proj"]))
-            _load_nvfp4(full, gate_up, enumerate(["gate_proj", "up_proj"]))
-            _load_nvfp4(full, o, [(None, "o_proj")])
-            _load_nvfp4(full, down, [(None, "down_proj")])
-        for layer in (qkv, o, gate_up, down):
-            layer.quant_method.process_weights_after_loading(layer)
-        if fp4_kernel == "humming":
-            from qerl_trl.vllm_plugin.single_lora import fp4_kernels_of
-
-            got = fp4_kernels_of(nn.ModuleDict({"qkv": qkv, "o": o, "gate_up": gate_up, "down": down}))
-            assert got["o"] == got["gate_up"] == got["down"] == "humming", got
-            assert got["qkv"].startswith("marlin: ") and "not a multiple of 128" in got["qkv"], got
-            if ahead:
-                _check_humming_ahead(q, {"o": o, "gate_up": gate_up, "down": down}, qkv)
-
-        tree = nn.Module()
-        tree.model = nn.Module()
-        tree.model.layers = nn.ModuleList([nn.Module()])
-        tree.model.layers[0].self_attn = nn.ModuleDict({"qkv_proj": qkv, "o_proj": o})
-        tree.model.layers[0].mlp = nn.ModuleDict({"gate_up_proj": gate_up, "down_proj": down})
-        adapters = {}
-        for name in targets:
-            group = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            adapters[f"{PREFIX}.{group}.{name}"] = (full[name + ".A"], full[name + ".B"])
-        filled = push_lora_in_place(tree, adapters, SCALING)
-
-        x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype).float()
-        xo = torch.randn(5, HEADS * HEAD, generator=torch.Generator().manual_seed(2)).to(dtype).float()
-        xd = torch.randn(5, INTER, generator=torch.Generator().manual_seed(3)).to(dtype).float()
-        dev = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-
-        def ref(name, inp):
-            y = inp @ full[name].T
-            if name in targets:
-                y = y + SCALING * (inp @ full[name + ".A"].T) @ full[name + ".B"].T
-            return y
-
-        def rel(got, want):  # max error relative to the largest reference entry
-            return (got - want).abs().max() / want.abs().max()
-
-        errs = {}
-        out = qkv(dev(x))[0].float().cpu()
-        local_q, local_kv = HEADS * HEAD // tp_size, max(1, KV_HEADS // tp_size) * HEAD
-        kv_shard = tp_rank // max(1, tp_size // KV_HEADS)
-        got_q, got_k, got_v = out.split([local_q, local_kv, local_kv], dim=1)
-        errs["q_proj"] = rel(got_q, ref("q_proj", x)[:, tp_rank * local_q : (tp_rank + 1) * local_q])
-        errs["k_proj"] = rel(got_k, ref("k_proj", x)[:, kv_shard * local_kv : (kv_shard + 1) * local_kv])
-        errs["v_proj"] = rel(got_v, ref("v_proj", x)[:, kv_shard * local_kv : (kv_shard + 1) * local_kv])
-        local_i = INTER // tp_size
-        got_g, got_u = gate_up(dev(x))[0].float().cpu().split([local_i, local_i], dim=1)
-        errs["gate_proj"] = rel(got_g, ref("gate_proj", x)[:, tp_rank * local_i : (tp_rank + 1) * local_i])
-        errs["up_proj"] = rel(got_u, ref("up_proj", x)[:, tp_rank * local_i : (tp_rank + 1) * local_i])
-        lo = HEADS * HEAD // tp_size
-        errs["o_proj"] = rel(o(dev(xo[:, tp_rank * lo : (tp_rank + 1) * lo]))[0].float().cpu(), ref("o_proj", xo))
-        errs["down_proj"] = rel(down(dev(xd[:, tp_rank * local_i : (tp_rank + 1) * local_i]))[0].float().cpu(), ref("down_proj", xd))
-        # pushing nothing zeroes every LoRA slot: the layers serve the bare base again (clear_lora does this)
-        assert push_lora_in_place(tree, {}, SCALING) == filled
-        bare = qkv(dev(x))[0].float().cpu()[:, :local_q]
-        errs["bare_base"] = rel(bare, (x @ full["q_proj"].T)[:, tp_rank * local_q : (tp_rank + 1) * local_q])
-        push_lora_in_place(tree, adapters, SCALING)
-        lora_moves = float((qkv(dev(x))[0].float().cpu()[:, :local_q] - (x @ full["q_proj"].T)[:, tp_rank * local_q : (tp_rank + 1) * local_q]).abs().max())
+                _stand_in_humming(ahead=True)
+            more, filled_ahead, moves_ahead = serve(True)
+            assert filled_ahead == filled
+            errs.update({f"{k}+ahead": v for k, v in more.items()})
+            lora_moves = min(lora_moves, moves_ahead)
     results.put((tp_rank, {k: float(v) for k, v in errs.items()}, filled, lora_moves))
 
 
@@ -364,14 +380,14 @@ def test_untargeted_linears_keep_the_plain_method_and_partly_targeted_packs_get_
     assert max(errs.values()) < 1e-5, errs
 
 
-@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (2, "nvfp4"), (1, "nvfp4+humming"),
-                                          (1, "nvfp4+humming+ahead")])
+@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (2, "nvfp4"), (1, "nvfp4+humming")])
 def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size, mode):
     """QeRLNVFP4LoRAConfig on vLLM's compressed-tensors NVFP4A16 scheme (Marlin on a GPU; on CPU a dequantizing
     stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference, through the LoRA
     kernel pair (on a GPU, the shrink on its side stream). ``+humming``:
     ``fp4_kernel="humming"``, Humming's real kernels on a GPU (a stand-in on CPU) on every layer but qkv, whose
-    64-row k/v shards Humming cannot take (Marlin)."""
+    64-row k/v shards Humming cannot take (Marlin); then the same with ``humming_ahead`` (Humming's kernels compiled
+    ahead, on the engine's table), in the same process."""
     for tp_rank, errs, filled, moves in _run(tp_size, ALL, mode=mode):
         assert filled == 4, (tp_rank, filled)
         assert max(errs.values()) < 2e-2, (tp_rank, errs)  # bf16 activations, LoRA buffers and outputs
