@@ -197,7 +197,7 @@ class HummingAhead:
 
     @staticmethod
     def apply(layer: nn.Module, x: torch.Tensor, compute_config: str, tuning_config: str) -> torch.Tensor:
-        """vLLM 0.24 ``HummingLinearMethod.apply`` with the cut table (the layer's bias is Humming's own)."""
+        """vLLM 0.24 ``HummingLinearMethod.apply`` with the engine's table (the layer's bias is Humming's own)."""
         import vllm.utils.humming as _hm
 
         flat = x.view(-1, x.size(-1))
@@ -209,7 +209,7 @@ class HummingAhead:
 def humming_tables_of(model: nn.Module) -> dict[str, dict[str, Any]]:
     """``{"NxK": {"intervals": [[lo, hi, block_shape], ...], "kernels": n, "cut": m or None}}`` for each distinct
     Humming layer config of a vLLM model (run it with ``LLM.apply_model``): Humming's whole table for the layer (what
-    a cold start compiles without the cut: one kernel per distinct config) and, where the layer runs a cut table,
+    a cold start compiles without the cut: one kernel per distinct config) and, where the layer runs the engine's table,
     its kernel count. For benchmark rows: which row intervals a cold start pays for."""
     out: dict[str, dict[str, Any]] = {}
     seen: set[str] = set()

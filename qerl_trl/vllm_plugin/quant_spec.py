@@ -46,8 +46,8 @@ def lora_quantization_overrides(
 ) -> dict:
     """``hf_overrides`` for ``LLM(...)``: the checkpoint's ``quantization_config`` plus the LoRA's rank and targets
     (leaf module names such as ``q_proj``) and the FP4 kernel (``"humming"``: Humming on every layer whose shape it
-    takes, Marlin on the rest; ``"marlin"``: Marlin everywhere; see :mod:`.fp4_kernel`). ``humming_ahead``: Humming's
-    kernels compiled in the background from the weight load, for the engine's rows only (:mod:`.humming_ahead`)."""
+    takes, Marlin on the rest; ``"marlin"``: Marlin everywhere; see :mod:`.fp4_kernel`). ``humming_ahead``: fewer of
+    Humming's kernels, compiled in the background from the weight load (:mod:`.humming_ahead`)."""
     quant = checkpoint_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
         raise ValueError(
@@ -60,6 +60,6 @@ def lora_quantization_overrides(
     if fp4_kernel not in ("humming", "marlin"):
         raise ValueError(f"fp4_kernel must be 'humming' or 'marlin' (resolved from 'auto' first), got {fp4_kernel!r}.")
     spec = {"rank": int(rank), "target_modules": targets, "fp4_kernel": fp4_kernel, "ops": LORA_OPS_VERSION}
-    if humming_ahead:  # a new compile-cache key: the forward passes Humming the cut table
+    if humming_ahead:  # a new compile-cache key: the forward passes Humming the engine's table
         spec["humming_ahead"] = True
     return {"quantization_config": {**quant, LORA_KEY: spec}}

@@ -108,8 +108,8 @@ class FP4KernelByShape(LinearMethodBase):
         self.marlin = marlin
         self.make_humming = humming
         self.chosen: LinearMethodBase = marlin
-        self.ahead = ahead  # Humming's kernels compiled ahead, for the engine's rows only (spec "humming_ahead")
-        self.tuning_config: str | None = None  # the cut table the forward passes Humming, once planned
+        self.ahead = ahead  # Humming's kernels compiled ahead, on the engine's table (spec "humming_ahead")
+        self.tuning_config: str | None = None  # the engine's table the forward passes Humming, once planned
 
     def create_weights(
         self,

@@ -20,5 +20,5 @@ class VLLMServingSpec:
     dtype: str = "bfloat16"
     lora_backend: str = "qerl"  # "qerl": the LoRA inside our quantization method; "vllm": vLLM's LoRA adapters
     fp4_kernel: str = "marlin"  # resolved from QeRLGRPOConfig.vllm_fp4_kernel: "humming" or "marlin"
-    humming_ahead: bool = False  # "qerl" backend on Humming: kernels compiled ahead, for the engine's rows only
+    humming_ahead: bool = False  # "qerl" backend on Humming: fewer kernels, compiled ahead
     return_routed_experts: bool = False  # MoE: vLLM records each token's experts (trainer.moe_routing)
