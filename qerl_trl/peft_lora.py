@@ -266,14 +266,16 @@ if LoraLayer is not None:
             self.set_adapter(self.active_adapters)
 
         @staticmethod
-        def _delta(base: nn.Module, routed, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            """``x @ A_e^T @ B_e^T`` for each row's expert ``e``: two grouped GEMMs, or one pair an expert."""
+        def _delta(routed, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            """``x @ A_e^T @ B_e^T`` for each row's expert ``e``: two grouped GEMMs (in the activations' bf16), or
+            one pair an expert (in the adapters' dtype)."""
             from .nvfp4.experts import grouped_mm
 
-            x = x.to(a.dtype)
             if routed.offsets is not None:
+                a, b = a.to(x.dtype), b.to(x.dtype)
                 return grouped_mm(grouped_mm(x, a.transpose(-2, -1), routed.offsets), b.transpose(-2, -1),
                                   routed.offsets)  # fmt: skip
+            x = x.to(a.dtype)
             return torch.cat([(x[lo:hi] @ a[e].T) @ b[e].T for e, lo, hi in routed.slices])
 
         def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -289,11 +291,11 @@ if LoraLayer is not None:
                 return torch.zeros_like(hidden_states)
             dtype = hidden_states.dtype
             gate, up = base.project(routed, routed.rows, "gate_up").chunk(2, dim=-1)
-            gate = gate + (self._delta(base, routed, routed.rows, a.experts_gate, b.experts_gate) * s).to(dtype)
-            up = up + (self._delta(base, routed, routed.rows, a.experts_up, b.experts_up) * s).to(dtype)
+            gate = gate + (self._delta(routed, routed.rows, a.experts_gate, b.experts_gate) * s).to(dtype)
+            up = up + (self._delta(routed, routed.rows, a.experts_up, b.experts_up) * s).to(dtype)
             h = base.act_fn(gate) * up
             out = base.project(routed, h, "down")
-            out = out + (self._delta(base, routed, h, a.experts_down, b.experts_down) * s).to(dtype)
+            out = out + (self._delta(routed, h, a.experts_down, b.experts_down) * s).to(dtype)
             return base.combine(routed, out, top_k_weights, hidden_states)
 
     def _experts_lora_layers(model: nn.Module) -> list[tuple[str, int]]:
