@@ -131,7 +131,8 @@ def test_humming_compile_ahead_reaches_the_engine_spec_only_on_humming_in_layer_
 
     ct = {"quantization_config": {"quant_method": "compressed-tensors"}}
     plain = lora_quantization_overrides(ct, 8, ["q_proj"], "humming")["quantization_config"][LORA_KEY]
-    ahead = lora_quantization_overrides(ct, 8, ["q_proj"], "humming", humming_ahead=True)["quantization_config"][LORA_KEY]
+    ahead = lora_quantization_overrides(ct, 8, ["q_proj"], "humming", humming_ahead=True)
+    ahead = ahead["quantization_config"][LORA_KEY]
     assert "humming_ahead" not in plain and ahead == {**plain, "humming_ahead": True}
 
     asked = []

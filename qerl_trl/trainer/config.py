@@ -110,9 +110,9 @@ class QeRLGRPOConfig(GRPOConfig):
             (`NVFP4Experts`, packed on load or read packed, frozen), its attention in NVFP4 with the LoRA
             (`"all-linear"` reaches no expert or router; `"experts"` in `target_modules` adds a LoRA on every routed
             expert, served by `vllm_lora_backend="vllm"` in colocate mode, not yet run on a GPU; other targets off
-            the attention are refused), the router 16-bit. Its vLLM colocate path passed the GPU suite's checks on a small Qwen3-MoE with both LoRA
-            backends, and a Qwen3-30B-A3B-shaped step ran on an H200 (docs/benchmarks.md). Without it a MoE model is
-            refused before anything loads.
+            the attention are refused), the router 16-bit. Its vLLM colocate path passed the GPU suite's checks on
+            a small Qwen3-MoE with both LoRA backends, and a Qwen3-30B-A3B-shaped step ran on an H100 and an H200
+            (docs/benchmarks.md). Without it a MoE model is refused before anything loads.
         vllm_return_routed_experts (`bool`, defaults to `False`):
             With `experimental_moe` and vLLM colocate: the engine records the experts it routes each token to
             (vLLM's `enable_return_routed_experts`), so `qerl_trl.trainer.moe_routing.check_routing(trainer,
