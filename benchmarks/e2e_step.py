@@ -21,7 +21,9 @@ because a random model almost never samples EOS, so every arm does the same work
 An arm may run at its own settings: ``ARM:mbN`` (N completions per micro-batch instead of ``MICRO_BATCH``'s),
 ``ARM:nogc`` (no gradient checkpointing) and, for QeRL arms, ``ARM:fis`` (``fused_importance_sampling=True``),
 e.g. ``--arms trl_bf16:mb16 qerl_single_lora:mb16:fis``; the row names them, and the speed-up's baseline is TRL's
-fastest setting of the run. ``qerl_single_lora:ahead`` sets ``vllm_humming_compile_ahead=True``; with
+fastest setting of the run. ``qerl:experts`` / ``qerl_inplace:experts`` (vLLM's adapters) add a LoRA on a MoE's
+routed experts (issue #54; a dense size is ``not_run``). ``qerl_single_lora:ahead`` sets
+``vllm_humming_compile_ahead=True``; with
 ``--cold-humming`` every QeRL row starts on an empty Humming cache of its own (``init_s`` is then a first start's
 on this machine, issue #55 item 4).
 
@@ -107,12 +109,14 @@ class RowSpec:
     grad_ckpt: bool = True  # gradient checkpointing
     fused_is: bool = False  # QeRL arms: fused_importance_sampling
     humming_ahead: bool = False  # qerl_single_lora: vllm_humming_compile_ahead
+    lora_experts: bool = False  # QeRL arms on vLLM's adapters, MoE sizes: a LoRA on the routed experts too
 
     @property
     def arm_options(self) -> str:
         """The arm as ``--arms`` names it: ``qerl_single_lora:mb16:nogc:fis``."""
         return (self.arm + (f":mb{self.micro_batch}" if self.micro_batch else "") + ("" if self.grad_ckpt else ":nogc")
-                + (":fis" if self.fused_is else "") + (":ahead" if self.humming_ahead else ""))
+                + (":fis" if self.fused_is else "") + (":ahead" if self.humming_ahead else "")
+                + (":experts" if self.lora_experts else ""))
 
     @property
     def name(self) -> str:
@@ -133,7 +137,7 @@ def parse_arm(text: str) -> dict[str, Any]:
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r} in {text!r}: one of {ARMS}, with :mbN, :nogc and/or :fis (:ahead)")
     out: dict[str, Any] = {"arm": arm, "micro_batch": None, "grad_ckpt": True, "fused_is": False,
-                           "humming_ahead": False}
+                           "humming_ahead": False, "lora_experts": False}
     for option in options:
         if re.fullmatch(r"mb[1-9]\d*", option):
             out["micro_batch"] = int(option[2:])
@@ -143,9 +147,11 @@ def parse_arm(text: str) -> dict[str, Any]:
             out["fused_is"] = True
         elif option == "ahead" and QERL_ARMS.get(arm) == "qerl":
             out["humming_ahead"] = True
+        elif option == "experts" and QERL_ARMS.get(arm) == "vllm":  # vLLM's fused-MoE LoRA serves it
+            out["lora_experts"] = True
         else:
             raise ValueError(f"unknown arm option {option!r} in {text!r}: :mbN (completions per micro-batch), :nogc "
-                             "or, on a QeRL arm, :fis, and on qerl_single_lora :ahead")
+                             "or, on a QeRL arm, :fis, on qerl_single_lora :ahead, on qerl / qerl_inplace :experts")
     return out
 
 
@@ -409,12 +415,15 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
     )
     if spec.arm in QERL_ARMS:
         from qerl_trl import QeRLGRPOConfig, QeRLGRPOTrainer
+        from qerl_trl.quantizer.moe import MOE_LORA_TARGETS
 
         args = QeRLGRPOConfig(**{**common, "lora_r": LORA_R, "lora_alpha": LORA_ALPHA, "aqn": True,
                                  "nvfp4_cache_dir": os.path.join(work, "qerl-cache"),
                                  "vllm_lora_backend": QERL_ARMS[spec.arm], **ARM_OPTIONS.get(spec.arm, {}),
                                  "fused_importance_sampling": spec.fused_is, "experimental_moe": moe,
                                  "vllm_humming_compile_ahead": spec.humming_ahead,
+                                 **({"lora_target_modules": [*MOE_LORA_TARGETS, "experts"]} if spec.lora_experts
+                                    else {}),
                                  **(overrides or {})})
         return QeRLGRPOTrainer(model=paths["nvfp4"], reward_funcs=_reward, args=args, train_dataset=dataset,
                                processing_class=tok)
@@ -457,6 +466,8 @@ MOE_BF16_GIB = 57.0
 def unrunnable(spec: RowSpec, card_gib: float | None = None) -> str | None:
     """The ``not_run`` status of a row this machine cannot run by design (32B BF16/QLoRA; a MoE's TRL arms on a card
     smaller than its two BF16 copies), else None. ``card_gib``: the card's memory (default: this machine's GPU 0)."""
+    if spec.lora_experts and spec.size not in MOE_SIZES:
+        return f"not_run: {spec.size} is a dense model: it has no routed experts for :experts' LoRA"
     if spec.size in MOE_SIZES:
         if spec.arm in QERL_ARMS:
             return None
@@ -494,7 +505,7 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
     row: dict[str, Any] = dict(size=spec.size, arm=spec.arm, prompts=spec.prompts, generations=spec.generations,
                                completion_len=spec.completion_len, sleep=spec.sleep, generation=spec.generation,
                                micro_batch=spec.micro_batch, grad_ckpt=spec.grad_ckpt, fused_is=spec.fused_is,
-                               humming_ahead=spec.humming_ahead,
+                               humming_ahead=spec.humming_ahead, lora_experts=spec.lora_experts,
                                prompt_len=PROMPT_TOKENS, lora_r=LORA_R, steps=steps,
                                vllm_gpu_memory_utilization=vllm_memory_utilization(spec.size, card_gib))
     if card_gib is not None:
@@ -679,8 +690,14 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup_vs_trl_bf16"] = round(b / r["step_s"], 3) if b and r.get("status") == "ok" else None
 
 
+def canonical_arm(text: str) -> str:
+    """An ``--arms`` entry as rows name it (its options in one order: ``qerl:experts:fis`` -> ``qerl:fis:experts``)."""
+    return RowSpec("", prompts=0, generations=0, completion_len=0, sleep=False, **parse_arm(text)).arm_options
+
+
 def select(specs: list[RowSpec], sizes, arms, only) -> list[RowSpec]:
-    return [s for s in specs if (not sizes or s.size in sizes) and (not arms or s.arm_options in arms)
+    wanted = {canonical_arm(a) for a in arms or ()}
+    return [s for s in specs if (not sizes or s.size in sizes) and (not arms or s.arm_options in wanted)
             and (not only or s.short in only or s.name in only)]
 
 

@@ -4,6 +4,7 @@ file. The real numbers come from the GPU machine (``benchmarks/results/e2e_step-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -173,14 +174,24 @@ def test_arms_take_a_micro_batch_and_no_gradient_checkpointing():
     """``--arms trl_bf16:mb16 qerl_single_lora:mb16:nogc``: each arm at its own best settings, named apart in the
     rows, and TRL's fastest setting of a run is every row's baseline."""
     assert e2e.parse_arm("trl_bf16") == {"arm": "trl_bf16", "micro_batch": None, "grad_ckpt": True, "fused_is": False,
-                                         "humming_ahead": False}  # fmt: skip
+                                         "humming_ahead": False, "lora_experts": False}  # fmt: skip
     assert e2e.parse_arm("qerl_single_lora:mb16:nogc:fis") == {"arm": "qerl_single_lora", "micro_batch": 16,
                                                                "grad_ckpt": False, "fused_is": True,
-                                                               "humming_ahead": False}  # fmt: skip
+                                                               "humming_ahead": False,
+                                                               "lora_experts": False}  # fmt: skip
     assert e2e.parse_arm("qerl_single_lora:ahead")["humming_ahead"]
+    assert e2e.parse_arm("qerl_inplace:experts")["lora_experts"]
+    experts = e2e.RowSpec("7b", **e2e.parse_arm("qerl:experts"), prompts=2, generations=8, completion_len=512,
+                          sleep=False)  # fmt: skip
+    assert experts.arm_options == "qerl:experts" and "dense" in e2e.unrunnable(experts)
+    # options in any order select the row (rows name them in one order)
+    arm = ["qerl_inplace:experts:fis"]
+    picked = e2e.select(e2e.default_matrix(arm), ["30b-a3b"], arm, None)
+    assert [s.name for s in picked] == ["30b-a3b/qerl_inplace:fis:experts/2x8-512-sleep"]
     assert e2e.RowSpec("7b", **e2e.parse_arm("qerl_single_lora:fis:ahead"), prompts=2, generations=8,
                        completion_len=512, sleep=False).arm_options == "qerl_single_lora:fis:ahead"  # fmt: skip
-    for bad in ("trl", "qerl:mb0", "qerl:fast", "trl_bf16:fis", "trl_bf16:ahead", "qerl:ahead"):
+    for bad in ("trl", "qerl:mb0", "qerl:fast", "trl_bf16:fis", "trl_bf16:ahead", "qerl:ahead",
+                "qerl_single_lora:experts"):
         with pytest.raises(ValueError, match="unknown arm"):
             e2e.parse_arm(bad)
     arms = ["trl_bf16", "trl_bf16:mb16", "qerl_single_lora:mb16:nogc", "qerl_single_lora:mb16:fis"]
@@ -249,6 +260,10 @@ def test_a_moe_qerl_arm_trains_from_its_nvfp4_checkpoint(monkeypatch, tmp_path):
                        generation="hf")  # fmt: skip
     trainer = e2e.build_trainer(spec, work, steps=1)
     assert trainer.args.experimental_moe and trainer.model.name_or_path.endswith("tiny-moe-nvfp4")
+    from qerl_trl.peft_lora import NVFP4ExpertsLora
+
+    with_experts = e2e.build_trainer(dataclasses.replace(spec, arm="qerl", lora_experts=True), work, steps=1)
+    assert sum(isinstance(m, NVFP4ExpertsLora) for m in with_experts.model.modules()) == MOE_TINY["num_hidden_layers"]
     row = e2e.run_row(spec, work, steps=2)
     assert row["status"] == "ok", row["status"]
 
