@@ -70,7 +70,7 @@ def test_the_expert_lora_computes_each_experts_weights_plus_its_lora(grouped, mo
     _randomize_b(peft_model)
     ref = _reference_with_lora(layer, experts_ref)
     g = torch.Generator().manual_seed(1)
-    tokens, k = 24, experts_ref.config.num_experts_per_tok if hasattr(experts_ref, "config") else 2
+    tokens, k = 24, original.config.num_experts_per_tok
     n = layer.get_base_layer().num_experts
     x = torch.randn(tokens, layer.get_base_layer().hidden, generator=g)
     idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(tokens)])
@@ -84,7 +84,7 @@ def test_the_expert_lora_computes_each_experts_weights_plus_its_lora(grouped, mo
     for g_, w_ in zip(got, want):
         assert ((g_ - w_).abs().max() / w_.abs().max()) < tol
     # the LoRA's term is there: without it the output differs
-    with layer.disable_adapter() if hasattr(layer, "disable_adapter") else peft_model.disable_adapter():
+    with peft_model.disable_adapter():
         bare = expert_pass(layer, x.to(dtype), idx, w.to(dtype), grad.to(dtype), monkeypatch, grouped=grouped)[0]
     assert ((bare - want[0]).abs().max() / want[0].abs().max()) > 10 * tol
 
@@ -227,7 +227,7 @@ def test_vllms_lora_loader_reads_the_saved_expert_adapter(tmp_path, monkeypatch)
     # the "vllm" backend's in-place refresh hands vLLM the same tensors without files (from_lora_tensors)
     from qerl_trl.trainer.vllm_serving import peft_to_vllm_lora_tensors
 
-    sent = {k: v.clone() for k, v in peft_to_vllm_lora_tensors(peft_model).items()}
+    sent = peft_to_vllm_lora_tensors(peft_model, copy=True)
     fresh = LoRAModel.from_lora_tensors(2, sent, helper, device="cpu", dtype=torch.float32)
     assert fresh.loras.keys() == lora.loras.keys()
     assert torch.equal(fresh.loras["model.layers.1.mlp.experts.3.down_proj"].lora_a, got.lora_a)
@@ -245,5 +245,12 @@ def test_the_vllm_backend_sends_the_expert_lora_per_expert_and_the_in_layer_back
     sent = peft_to_vllm_lora_tensors(peft_model)
     saved = get_peft_model_state_dict(peft_model)
     assert sent.keys() == saved.keys() and all(torch.equal(sent[k], saved[k]) for k in saved)
+    copied = peft_to_vllm_lora_tensors(peft_model, copy=True)  # the caller's own: vLLM scales B in place
+    layer = peft_model.base_model.model.model.layers[0].mlp.experts
+    stack = layer.lora_B["default"].experts_gate
+    key = "base_model.model.model.layers.0.mlp.experts.2.gate_proj.lora_B.weight"
+    assert torch.equal(copied[key], sent[key]) and copied[key].data_ptr() != sent[key].data_ptr()
+    copied[key].mul_(2.0)
+    assert torch.equal(stack[2], sent[key])  # the trained stack is untouched
     with pytest.raises(ValueError, match="vllm_lora_backend='vllm'"):
         peft_lora_modules(peft_model)

@@ -547,7 +547,7 @@ def test_refresh_in_place_builds_the_adapter_with_vllms_own_classes(monkeypatch)
         assert f"self.{attr}" in init, attr
 
     peft_model, cfg = _peft_tiny(r=8)
-    tensors = {k: v.clone() for k, v in vl.peft_to_vllm_lora_tensors(peft_model).items()}
+    tensors = vl.peft_to_vllm_lora_tensors(peft_model, copy=True)
     calls = []
 
     class Manager:

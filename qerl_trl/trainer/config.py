@@ -80,7 +80,7 @@ class QeRLGRPOConfig(GRPOConfig):
             from the moment each layer's weights are loaded (beside the rest of the engine's start) instead of inside
             its first forward: Humming's own kernels for decode batches up to the engine's `max_num_seqs`, and above
             it one kernel per doubling of the rows up to `max_num_batched_tokens` (prefill chunks; any larger M
-            still runs). 7 kernels a 7B layer shape at 16 sequences an engine, where Humming's table has 33. Cuts a
+            still runs): at most 10 kernels a 7B layer shape at 16 sequences an engine, where Humming's has 33. Cuts a
             cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is unchanged. Off by default:
             this table has not run on a GPU (issue #55 item 4; the first form, which only cut the table at the token
             budget, ran and compiled as many kernels as without it).

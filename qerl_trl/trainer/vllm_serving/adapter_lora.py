@@ -118,7 +118,7 @@ class AdapterLoRABackend(VLLMLoRABackend):
     def sync(self, model: nn.Module, gather_params: GatherParams) -> Any:
         t0 = time.perf_counter()
         with gather_params(self.lora_parameters(model)):
-            tensors = {k: v.clone() for k, v in peft_to_vllm_lora_tensors(model).items()}
+            tensors = peft_to_vllm_lora_tensors(model, copy=True)
         read = time.perf_counter() - t0
         request = self._pusher.push(tensors, model.peft_config["default"])
         self.last_phases = {"read": read, **self._pusher.phases}

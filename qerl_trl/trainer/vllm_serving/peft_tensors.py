@@ -11,7 +11,8 @@ from ...vllm_plugin import OTHER_BACKEND_HINT  # the package imports no vLLM
 
 __all__ = ["lora_target_leaves", "peft_lora_modules", "peft_to_vllm_lora_tensors"]
 
-def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default",
+                              copy: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
     """The adapter's tensors under the names vLLM's LoRA loader parses (PEFT's saved-adapter names).
 
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` etc.: the names PEFT's
@@ -19,7 +20,9 @@ def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -
     qkv_proj / gate_up_proj LoRA slices. Read from the LoRA layers themselves, not through
     ``get_peft_model_state_dict``: that walks the whole model's ``state_dict()`` and, with its default
     ``save_embedding_layers="auto"``, re-reads the base model's config (or asks the Hub) on every call, work that
-    grows with the model and is repeated every round of the ``"vllm"`` backend's sync.
+    grows with the model and is repeated every round of the ``"vllm"`` backend's sync. ``copy``: the caller's own
+    copies (vLLM scales B in place), one copy a LoRA tensor, and one a projection's stack for a LoRA over experts
+    (its per-expert tensors are views of it: 36,864 at Qwen3-30B-A3B, not as many copies).
     """
     out: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
@@ -40,11 +43,12 @@ def peft_to_vllm_lora_tensors(model: nn.Module, adapter_name: str = "default") -
         if isinstance(module, NVFP4ExpertsLora):  # per expert, as vLLM's fused-MoE LoRA reads an adapter
             for stacked, proj in EXPERT_PROJECTIONS:
                 a, b = getattr(lora_a[adapter_name], stacked).detach(), getattr(lora_b[adapter_name], stacked).detach()
+                a, b = (a.clone(), b.clone()) if copy else (a, b)
                 for e in range(a.shape[0]):
                     out[f"{name}.{e}.{proj}.lora_A.weight"], out[f"{name}.{e}.{proj}.lora_B.weight"] = a[e], b[e]
             continue
-        out[f"{name}.lora_A.weight"] = lora_a[adapter_name].weight.detach()
-        out[f"{name}.lora_B.weight"] = lora_b[adapter_name].weight.detach()
+        a, b = lora_a[adapter_name].weight.detach(), lora_b[adapter_name].weight.detach()
+        out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = (a.clone(), b.clone()) if copy else (a, b)
     if not out:
         raise ValueError(f"The model has no LoRA weights for adapter {adapter_name!r}.")
     return out
