@@ -182,7 +182,7 @@ def run_check(
     max_completion_length: int = 48,
     lora_backend: str = "qerl",
     lora_sync_in_place: bool | None = None,
-    fused_importance_sampling: bool = False,
+    fused_importance_sampling: bool | None = None,
 ) -> list[dict]:
     from datasets import Dataset
 
@@ -305,7 +305,8 @@ def run_check(
     for r in rows:
         r["lora_backend"] = lora_backend
         r["lora_sync_in_place"] = args.vllm_lora_sync_in_place
-        r["fused_importance_sampling"] = fused_importance_sampling
+        r["fused_importance_sampling"] = args.fused_importance_sampling  # None: where the rounds allow it
+        r["fused_pass"] = trainer._fused_is
         if sleep_mode:
             r["check"] = "sleep1/" + r["check"]
     return rows
@@ -321,8 +322,11 @@ def main():
     ap.add_argument("--lora_sync_files", action="store_true",
                     help='QeRLGRPOConfig.vllm_lora_sync_in_place=False (lora_backend "vllm": every round\'s adapter '
                     "loaded from files, not refreshed in place on the GPU)")
-    ap.add_argument("--fused_importance_sampling", action="store_true",
-                    help="QeRLGRPOConfig.fused_importance_sampling (the IS ratio from the training forward)")
+    ap.add_argument("--fused_importance_sampling", action="store_const", const=True, default=None,
+                    help="QeRLGRPOConfig.fused_importance_sampling=True (default: None, as shipped: the IS ratio from "
+                    "the training forward where the rounds allow it)")
+    ap.add_argument("--no_fused_importance_sampling", dest="fused_importance_sampling", action="store_const",
+                    const=False, help="fused_importance_sampling=False (TRL's separate forward for the IS ratio)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from benchmarks._common import gpu_tag, result_envelope

@@ -42,9 +42,8 @@ Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the
 
 Checkpoints are written once per machine under ``--work``: BF16 with ``from_config`` on the GPU (7B, 14B), NVFP4A16
 with random packed weights directly (every size; a 32B BF16 checkpoint, 65 GB, does not fit a 64 GiB disk).
-``--sizes 30b-a3b`` (Qwen3-30B-A3B, issue #54; not yet run on a GPU): QeRL arms train with ``experimental_moe=True``
-from the NVFP4A16 checkpoint; TRL's arm is ``not_run`` on a card smaller than its two BF16 copies (``unrunnable``),
-and elsewhere needs the BF16 checkpoint (61 GB: a 4-GPU machine's disk).
+``--sizes 30b-a3b`` (Qwen3-30B-A3B, issue #54): QeRL arms train from the NVFP4A16 checkpoint; TRL's arm is
+``not_run`` on a card smaller than its two BF16 copies (``unrunnable``), and elsewhere needs the BF16 checkpoint (61 GB: a 4-GPU machine's disk).
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ ARM_OPTIONS: dict[str, dict[str, Any]] = {"qerl": {"vllm_lora_sync_in_place": Fa
 DEFAULT_ARMS = ("trl_bf16", "qerl", "trl_qlora", "qerl_single_lora")
 SIZES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "14b": "qwen2.5-14b", "32b": "qwen2.5-32b",
          "30b-a3b": "qwen3-30b-a3b"}
-#: mixture-of-experts sizes (issue #54): QeRL arms train them with ``experimental_moe=True``; TRL's arms need their
+#: mixture-of-experts sizes (issue #54): QeRL arms train them from NVFP4A16; TRL's arms need their
 #: BF16 checkpoint (61 GB: a 4-GPU machine's disk), written only where a TRL arm can run (``unrunnable``)
 MOE_SIZES = ("30b-a3b",)
 #: vLLM's share of the GPU, the same for every arm of a size (what a BF16 engine needs for weights + KV cache).
@@ -169,6 +168,7 @@ def default_matrix(arms: tuple[str, ...] | list[str] = DEFAULT_ARMS) -> list[Row
         ("32b", 1, 8, 2048, True),
         ("14b", 8, 8, 512, True),
         ("30b-a3b", 2, 8, 512, True),  # issue #54's MoE row: Qwen3-30B-A3B, sleep mode on
+        ("7b", 2, 8, 512, True),  # the dense step beside it, as it runs (#54: the MoE step within 1.5x of it)
     ]
     rows = [RowSpec(size=size, prompts=p, generations=g, completion_len=length, sleep=sleep, **parse_arm(arm))
             for size, p, g, length, sleep in settings for arm in arms]
@@ -382,7 +382,6 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         raise ValueError(f"{spec.name}: {n_completions} completions do not split into micro-batches of {micro}")
     from transformers import AutoTokenizer
 
-    moe = spec.size in MOE_SIZES
     tok = AutoTokenizer.from_pretrained(paths["nvfp4"] if spec.arm in QERL_ARMS else paths["bf16"])
     prompts = rm.make_prompts(spec.prompts * (steps + 2), PROMPT_TOKENS, seed=seed, tokenizer=tok)
     dataset = Dataset.from_dict({"prompt": prompts})
@@ -420,7 +419,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
         args = QeRLGRPOConfig(**{**common, "lora_r": LORA_R, "lora_alpha": LORA_ALPHA, "aqn": True,
                                  "nvfp4_cache_dir": os.path.join(work, "qerl-cache"),
                                  "vllm_lora_backend": QERL_ARMS[spec.arm], **ARM_OPTIONS.get(spec.arm, {}),
-                                 "fused_importance_sampling": spec.fused_is, "experimental_moe": moe,
+                                 "fused_importance_sampling": spec.fused_is,
                                  "vllm_humming_compile_ahead": spec.humming_ahead,
                                  **({"lora_target_modules": [*MOE_LORA_TARGETS, "experts"]} if spec.lora_experts
                                     else {}),
@@ -580,6 +579,7 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
     lengths = [h.get("completions/mean_length") for h in logs]
     row["mean_completion_len_per_step"] = lengths
     row["losses"] = [h.get("loss") for h in logs]
+    row.update(rollout_agreement(logs, getattr(trainer, "_rollout_guard", None)))
     row["tokens_per_step"] = spec.prompts * spec.generations * spec.completion_len
     row["rollout_tokens_per_s"] = round(row["tokens_per_step"] / row["rollout_s"], 1) if row["rollout_s"] else None
     ok_len = all(x is not None and abs(x - spec.completion_len) <= 0.02 * spec.completion_len for x in lengths)
@@ -588,6 +588,26 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
         f"check_failed: completion lengths {lengths} (want {spec.completion_len}), losses finite={finite}, "
         f"{len(per_step)} of {steps} steps timed")
     return row
+
+
+#: TRL's per-step metrics of vLLM's log-probs against the trainer's (logged by TRL, or by the fused pass)
+AGREEMENT_METRICS = {
+    "logp_gap_mean_per_step": "sampling/sampling_logp_difference/mean",
+    "logp_gap_max_per_step": "sampling/sampling_logp_difference/max",
+    "is_ratio_min_per_step": "sampling/importance_sampling_ratio/min",
+    "is_ratio_max_per_step": "sampling/importance_sampling_ratio/max",
+}
+
+
+def rollout_agreement(logs: list[dict], guard: Any) -> dict:
+    """How closely vLLM served the policy being trained, at the row's real shape: TRL's log-prob gap and
+    importance-ratio metrics per step (``None`` where a step logged none), and for QeRL arms the rollout guard's
+    verdict (bad rounds in a row at the end, the last round's mean gap)."""
+    out: dict[str, Any] = {key: [h.get(metric) for h in logs] for key, metric in AGREEMENT_METRICS.items()}
+    if guard is not None:
+        out["guard_bad_rounds"] = len(guard.bad_rounds)
+        out["guard_last_gap"] = None if guard.last is None else round(guard.last[0], 4)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ driver (parent)

@@ -117,7 +117,7 @@ def lora_shapes(config) -> dict[str, tuple[int, int]]:
 
 def lora_targets(config) -> tuple[str, ...]:
     """The LoRA arms' targets: every linear of a dense model; the attention of a mixture-of-experts one, as the
-    trainer puts it there (``QeRLGRPOConfig(experimental_moe=True)``: its MLP is the experts)."""
+    trainer puts it there (as ``QeRLGRPOTrainer`` does on a MoE: its MLP is the experts)."""
     from qerl_trl.quantizer.moe import MOE_LORA_TARGETS, moe_expert_count
 
     return MOE_LORA_TARGETS if moe_expert_count(config) else LORA_TARGETS

@@ -259,7 +259,8 @@ def test_a_moe_qerl_arm_trains_from_its_nvfp4_checkpoint(monkeypatch, tmp_path):
     spec = e2e.RowSpec("tiny-moe", "qerl_single_lora", prompts=2, generations=4, completion_len=6, sleep=False,
                        generation="hf")  # fmt: skip
     trainer = e2e.build_trainer(spec, work, steps=1)
-    assert trainer.args.experimental_moe and trainer.model.name_or_path.endswith("tiny-moe-nvfp4")
+    assert trainer.model.name_or_path.endswith("tiny-moe-nvfp4")
+    assert any(type(m).__name__ == "NVFP4Experts" for m in trainer.model.modules())
     from qerl_trl.peft_lora import NVFP4ExpertsLora
 
     with_experts = e2e.build_trainer(dataclasses.replace(spec, arm="qerl", lora_experts=True), work, steps=1)
@@ -331,3 +332,19 @@ def test_the_memory_peak_is_kept_by_phase_of_the_step():
     mem.sample()  # 40 in the training pass again
     assert mem.phase == "train" and timed.total > 0
     assert mem.by_phase_gib() == {"rollout": 25.0, "train": 40.0} and mem.peak == 40 * 2**30
+
+
+def test_rows_record_how_closely_vllm_served_the_policy_from_the_logged_metrics():
+    from qerl_trl.trainer.rollout_guard import RolloutPolicyGuard
+
+    logs = [{"loss": 0.1, "sampling/sampling_logp_difference/mean": 0.02, "sampling/sampling_logp_difference/max": 0.9,
+             "sampling/importance_sampling_ratio/min": 0.5, "sampling/importance_sampling_ratio/max": 1.7},
+            {"loss": 0.2}]  # fmt: skip
+    guard = RolloutPolicyGuard(max_gap=1.0)
+    guard.update(1, 0.03, 0.0)
+    guard.update(2, 2.5, 0.0)  # one bad round at the end
+    out = e2e.rollout_agreement(logs, guard)
+    assert out["logp_gap_mean_per_step"] == [0.02, None] and out["logp_gap_max_per_step"] == [0.9, None]
+    assert out["is_ratio_min_per_step"] == [0.5, None] and out["is_ratio_max_per_step"] == [1.7, None]
+    assert out["guard_bad_rounds"] == 1 and out["guard_last_gap"] == 2.5
+    assert "guard_bad_rounds" not in e2e.rollout_agreement(logs, None)  # TRL's arms: no guard

@@ -1,4 +1,4 @@
-"""A mixture-of-experts policy in the job users run (issue #54): ``QeRLGRPOConfig(experimental_moe=True)`` with vLLM
+"""A mixture-of-experts policy in the job users run (issue #54): ``QeRLGRPOTrainer`` with vLLM
 colocate on a small Qwen3-MoE-shaped random model (16 experts, 4 active; hidden 1024; 8 layers), AQN on, sleep mode
 level 1, 3 steps, under each LoRA backend.
 
@@ -65,7 +65,7 @@ def _job(case: str, tmp_path) -> None:
         num_generations=4, max_completion_length=96, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.3, vllm_max_model_length=256, vllm_enable_sleep_mode=True, aqn=True,
         aqn_sigma_start=1e-2, aqn_sigma_end=1e-3, aqn_num_stages=3, learning_rate=1e-4, vllm_lora_backend=lora_backend,
-        experimental_moe=True, nvfp4_cache_dir=str(tmp_path / "cache"), vllm_return_routed_experts=True,
+        nvfp4_cache_dir=str(tmp_path / "cache"), vllm_return_routed_experts=True,
     )  # fmt: skip
 
     def reward(completions, **kw):

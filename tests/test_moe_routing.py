@@ -143,12 +143,10 @@ def test_check_routing_compares_the_trainers_policy_with_its_engine(fake_vllm, a
 
 def test_the_option_is_refused_where_no_moe_engine_runs(tmp_path):
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", vllm_return_routed_experts=True)
-    with pytest.raises(ValueError, match="experimental_moe=True"):
-        QeRLGRPOConfig(**base, use_vllm=True, vllm_mode="colocate")
     with pytest.raises(ValueError, match="vllm_mode='colocate'"):
-        QeRLGRPOConfig(**base, experimental_moe=True, use_vllm=True, vllm_mode="server")
+        QeRLGRPOConfig(**base, use_vllm=True, vllm_mode="server")
     with pytest.raises(ValueError, match="use_vllm=True"):
-        QeRLGRPOConfig(**base, experimental_moe=True)
+        QeRLGRPOConfig(**base)
 
 
 def test_the_option_is_refused_for_a_model_without_routed_experts_before_it_loads(tmp_path):
@@ -156,7 +154,7 @@ def test_the_option_is_refused_for_a_model_without_routed_experts_before_it_load
 
     from qerl_trl.trainer.policy import check_vllm_layout
 
-    args = QeRLGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", experimental_moe=True,
+    args = QeRLGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
                           use_vllm=True, vllm_mode="colocate", vllm_return_routed_experts=True)  # fmt: skip
     with pytest.raises(ValueError, match="no routed experts"):
         check_vllm_layout(Qwen2Config(num_hidden_layers=1), args)

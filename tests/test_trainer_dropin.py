@@ -5,6 +5,7 @@ options refused before any model loads; a trainer built without ``__init__``; Mo
 from __future__ import annotations
 
 import gc
+import math
 from collections import defaultdict
 
 import pytest
@@ -20,7 +21,7 @@ from qerl_trl.nvfp4 import NVFP4Linear
 from qerl_trl.quantizer import conversion, load_nvfp4
 from qerl_trl.quantizer.moe import MoENotSupportedError
 from tests.conftest import tiny_config, tiny_model
-from tests.test_trainer_grpo import config, dataset, lora_state, make_tokenizer, packed_state, token_sum_reward
+from tests.test_trainer_grpo import VOCAB, config, dataset, lora_state, make_tokenizer, packed_state, token_sum_reward
 
 N_FP4 = 2 * 7  # a 2-layer tiny decoder: q, k, v, o, gate, up, down per layer
 
@@ -217,17 +218,40 @@ def _moe_config(kind: str):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_moe_is_refused_before_weights_load_naming_the_missing_parts(tmp_path, kind, monkeypatch):
+@pytest.mark.parametrize("form", ["instance", "path"])
+def test_a_qwen3_moe_drops_in_with_its_experts_in_nvfp4(tmp_path, form):
+    """The drop-in forms on a mixture-of-experts policy (issue #54): no option; the experts packed, the LoRA on the
+    attention, two steps trained with the packed experts unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl_trl.nvfp4.experts import NVFP4Experts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_moe_config("qwen3_moe"))
+    model.resize_token_embeddings(VOCAB)
+    model.config.eos_token_id = model.config.pad_token_id = model.config.bos_token_id = 2
+    if form == "path":
+        model.save_pretrained(tmp_path / "moe")
+        make_tokenizer().save_pretrained(tmp_path / "moe")
+        model = str(tmp_path / "moe")
+    trainer = trainer_for(model, tmp_path / "out")
+    experts = [m for m in trainer.model.modules() if isinstance(m, NVFP4Experts)]
+    assert len(experts) == 1 and sum(isinstance(m, NVFP4Linear) for m in trainer.model.modules()) == 4
+    packed = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "experts" in n}
+    trainer.train()
+    assert all(torch.equal(p.detach(), packed[n]) for n, p in trainer.model.named_parameters() if n in packed)
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_another_moe_layout_is_refused_before_weights_load_naming_what_trains(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
-    cfg = _moe_config(kind)
+    cfg = _moe_config("mixtral")
     model = AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(tmp_path / kind)
-    make_tokenizer().save_pretrained(tmp_path / kind)
-    missing = r"4 experts\).*CompressedTensorsW4A4Nvfp4MoEMethod.*MarlinExperts.*FusedMoEWithLoRA.*3-D parameters.*" \
-        r"two parts are missing.*small Qwen3-MoE.*ParamWrapper"
-    with pytest.raises(MoENotSupportedError, match=missing):  # the instance form: before any conversion
+    model.save_pretrained(tmp_path / "mixtral")
+    make_tokenizer().save_pretrained(tmp_path / "mixtral")
+    said = r"\(4 experts, mixtral\)\. QeRL trains Qwen3-MoE policies.*Mixtral's w1/w2/w3.*dense model"
+    with pytest.raises(MoENotSupportedError, match=said):  # the instance form: before any conversion
         trainer_for(model, tmp_path / "o1")
     assert not any(isinstance(m, NVFP4Linear) for m in model.modules())
 
@@ -235,8 +259,8 @@ def test_moe_is_refused_before_weights_load_naming_the_missing_parts(tmp_path, k
         raise AssertionError("weights were loaded")
 
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(no_load))
-    with pytest.raises(MoENotSupportedError, match=missing):  # the path form: from the config alone
-        trainer_for(str(tmp_path / kind), tmp_path / "o2")
+    with pytest.raises(MoENotSupportedError, match=said):  # the path form: from the config alone
+        trainer_for(str(tmp_path / "mixtral"), tmp_path / "o2")
 
 
 def test_vllm_checkpoint_from_an_instance_quantized_in_place(tmp_path):

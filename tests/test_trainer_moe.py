@@ -1,6 +1,6 @@
-"""``QeRLGRPOConfig(experimental_moe=True)``: a Qwen3-MoE policy trains on the CPU (use_vllm=False) with its experts
-in NVFP4 and the LoRA on the attention; without the option a MoE model is refused before anything loads, naming it.
-Its vLLM colocate path is the GPU suite's ``moe`` part (issue #54)."""
+"""A Qwen3-MoE policy trains on the CPU (use_vllm=False) with its experts in NVFP4 and the LoRA on the attention, as a
+dense one does (no option); another MoE layout is refused before anything loads, naming what trains instead. Its
+vLLM colocate path is the GPU suite's ``moe`` part (issue #54)."""
 
 from __future__ import annotations
 
@@ -29,16 +29,16 @@ def moe_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def test_a_moe_policy_is_refused_without_the_option_naming_it(moe_checkpoint, tmp_path):
-    with pytest.raises(MoENotSupportedError, match=r"experimental_moe=True"):
-        QeRLGRPOTrainer(model=moe_checkpoint, reward_funcs=token_sum_reward, args=config(tmp_path),
-                        train_dataset=dataset(), processing_class=make_tokenizer())  # fmt: skip
+def test_the_old_moe_option_warns_that_it_is_ignored(tmp_path):
+    with pytest.warns(FutureWarning, match=r"experimental_moe=\.\.\.\) is deprecated and ignored"):
+        args = config(tmp_path, experimental_moe=True)
+    assert args.experimental_moe is True  # kept as given, read by nothing
 
 
 @pytest.mark.slow
 def test_a_qwen3_moe_policy_trains_its_attention_lora_over_nvfp4_experts(moe_checkpoint, tmp_path):
     trainer = QeRLGRPOTrainer(model=moe_checkpoint, reward_funcs=token_sum_reward,
-                              args=config(tmp_path / "out", experimental_moe=True, max_steps=2, save_strategy="no"),
+                              args=config(tmp_path / "out", max_steps=2, save_strategy="no"),
                               train_dataset=dataset(), processing_class=make_tokenizer())  # fmt: skip
     model = trainer.model
     experts = [m for m in model.modules() if isinstance(m, NVFP4Experts)]
@@ -62,18 +62,17 @@ def test_a_qwen3_moe_policy_trains_its_attention_lora_over_nvfp4_experts(moe_che
     assert torch.equal(indices.sort(-1).values, logits.topk(indices.shape[-1]).indices.sort(-1).values)
 
 
-def test_only_qwen3_moe_passes_the_architecture_check_with_the_option():
+def test_only_qwen3_moe_passes_the_architecture_check_among_moe_layouts():
     from qerl_trl.trainer.policy import check_architecture
 
     qwen3 = rm.qwen3_moe_config("qwen3-30b-a3b", **{"num_hidden_layers": 1})
-    assert check_architecture(qwen3, allow_moe=True) == "Qwen3MoeForCausalLM"
-    with pytest.raises(MoENotSupportedError):
-        check_architecture(qwen3)
+    assert check_architecture(qwen3) == "Qwen3MoeForCausalLM"
     from transformers import AutoConfig
 
     mixtral = AutoConfig.for_model("mixtral", num_local_experts=4)
-    with pytest.raises(MoENotSupportedError):
-        check_architecture(mixtral, allow_moe=True)
+    said = r"\(4 experts, mixtral\)\. QeRL trains Qwen3-MoE.*Mixtral's w1/w2/w3"
+    with pytest.raises(MoENotSupportedError, match=said):
+        check_architecture(mixtral)
 
 
 def test_whole_model_humming_on_a_moe_is_refused_before_anything_loads():
@@ -132,7 +131,7 @@ def test_lora_targets_off_the_attention_of_a_moe_are_refused_before_anything_loa
     monkeypatch.setattr(hf_quantizer.NVFP4HfQuantizer, "__init__", no_load)
     with pytest.raises(ValueError, match="attention projections"):
         QeRLGRPOTrainer(model=moe_checkpoint, reward_funcs=token_sum_reward,
-                        args=config(tmp_path, experimental_moe=True), train_dataset=dataset(),
+                        args=config(tmp_path), train_dataset=dataset(),
                         processing_class=make_tokenizer(),
                         peft_config=LoraConfig(target_modules=["q_proj", "down_proj"]))  # fmt: skip
 
@@ -149,7 +148,7 @@ def test_a_qwen3_moe_policy_trains_a_lora_on_its_experts_without_vllm(moe_checkp
 
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "experts"])
     trainer = QeRLGRPOTrainer(model=moe_checkpoint, reward_funcs=token_sum_reward,
-                              args=config(tmp_path / "out", experimental_moe=True, max_steps=2, save_strategy="steps",
+                              args=config(tmp_path / "out", max_steps=2, save_strategy="steps",
                                           save_steps=2),
                               train_dataset=dataset(), processing_class=make_tokenizer(), peft_config=lora)  # fmt: skip
     model = trainer.model

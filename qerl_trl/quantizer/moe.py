@@ -1,29 +1,28 @@
-"""Why mixture-of-experts decoders are refused, named link by link (checked before any weight loads).
+"""Which mixture-of-experts decoders QeRL trains (Qwen3-MoE), and the refusal of the others before any weight loads.
 
-QeRL on a MoE model needs four links; what each version does (read from their code, not assumed):
+The four links a MoE policy needs, as read from each version's code (not assumed):
 
 1. vLLM 0.24.0 serves compressed-tensors NVFP4A16 experts on Hopper: ``CompressedTensorsMoEMethod.get_moe_method``
    (``vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe.py``)
    returns ``CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True)`` for NVFP4 weights without input quantization, and
    ``select_nvfp4_moe_backend`` (``fused_moe/oracle/nvfp4.py``) falls through the FlashInfer/CUTLASS FP4 backends
    to ``MARLIN`` (``MarlinExperts``, ``fused_moe/experts/marlin_moe.py``: CUDA capability >= 7.5, ``kNvfp4Static``
-   weights). Holds.
+   weights). Its Humming MoE method cannot load NVFP4A16 experts (an ``IndexError``; the GPU suite at 517d8d7).
 2. vLLM 0.24.0 serves a LoRA on those experts: ``MarlinExperts`` mixes in ``LoRAExpertsMixin`` so
    ``FusedMoEWithLoRA`` (``vllm/lora/layers/fused_moe.py``) accepts it; its ``Qwen3MoeForCausalLM`` has
    ``is_3d_moe_weight = False``, so it loads per-expert adapters (``experts.<e>.gate_proj/up_proj/down_proj``).
-   Holds.
 3. transformers 5.17 (and 5.23) stores Qwen3-MoE / Mixtral experts as fused 3-D parameters
    (``Qwen3MoeExperts.gate_up_proj`` [experts, 2*moe_intermediate, hidden] and ``down_proj`` [experts, hidden,
    moe_intermediate]), not as ``nn.Linear``. For Qwen3-MoE, ``NVFP4Config`` on a 16-bit checkpoint (each layer's
    stack packed as transformers merges it) and ``quantize_model`` pack them into
    :class:`~qerl_trl.nvfp4.experts.NVFP4Experts`, saved per expert as vLLM reads them, and ``load_nvfp4`` reads such
-   an NVFP4A16 checkpoint back packed. Holds for the base (CPU-tested).
-4. PEFT 0.21.2 reaches those tensors only through ``LoraConfig(target_parameters=[...])``, i.e. ``ParamWrapper``
-   (``peft/tuners/lora/layer.py``), which adds ``B @ A`` to the dense parameter through
-   ``torch.nn.utils.parametrize`` (``_LoraFactorsProxy`` / ``_LoraParameterProxy``): it needs a dense expert
-   tensor, which a packed NVFP4 base does not keep. A LoRA layer for packed expert stacks (as
-   ``NVFP4LoraLinear`` is for Linears), and the conversion of its 3-D adapter to vLLM's per-expert names, are
-   missing.
+   an NVFP4A16 checkpoint back packed.
+4. PEFT 0.21.2 reaches expert tensors only through ``LoraConfig(target_parameters=[...])`` (``ParamWrapper``), which
+   adds ``B @ A`` to a dense expert tensor that a packed NVFP4 base does not keep: the LoRA over packed experts is
+   ours (:class:`~qerl_trl.peft_lora.NVFP4ExpertsLora`, ``target_modules`` naming ``"experts"``), saved per expert.
+
+Other layouts (Mixtral's vLLM checkpoints name experts ``w1``/``w2``/``w3``; shared experts) would need their own
+checkpoint writer and LoRA mapping: refused, naming what is trained instead.
 """
 
 from __future__ import annotations
@@ -43,21 +42,21 @@ MOE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 #: config attributes that mark a mixture-of-experts decoder (Qwen2/3-MoE: num_experts; Mixtral: num_local_experts)
 _EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
 
-MOE_MISSING = (
-    "vLLM 0.24 would serve NVFP4A16 experts on Hopper (CompressedTensorsW4A4Nvfp4MoEMethod with use_a16=True, "
-    "MarlinExperts backend) with a LoRA (FusedMoEWithLoRA), and qerl_trl packs Qwen3-MoE's experts, which "
-    "transformers 5.17 stores as fused 3-D parameters ({example}), into NVFP4 (NVFP4Config on a 16-bit checkpoint, "
-    "or quantize_model), but two parts are missing: (1) the trainer's path for them (vLLM colocate serving the NVFP4 "
-    "experts, AQN and the rollout checks) has passed on a GPU only on a small Qwen3-MoE with the default 'qerl' LoRA "
-    "backend, and no full-size step is measured, hence an option; (2) PEFT 0.21 puts LoRA on expert parameters only "
-    "through target_parameters (peft.tuners.lora.layer.ParamWrapper), which adds B@A to the dense expert tensor, "
-    "which a packed NVFP4 base does not keep. Use a dense model (Llama, Qwen2, Qwen3, Mistral families), or, for "
-    "Qwen3-MoE, QeRLGRPOConfig(experimental_moe=True): experts in NVFP4, LoRA on the attention."
+#: MoE decoders whose checkpoint layout NVFP4 experts are written in: per-expert ``mlp.experts.<e>.gate_proj`` /
+#: ``up_proj`` / ``down_proj`` and the router ``mlp.gate``, no shared expert (vLLM's Qwen3-MoE loader reads those)
+EXPERT_LAYOUT_MODEL_TYPES = ("qwen3_moe",)
+#: what QeRL trains among mixture-of-experts decoders, and what to do with another (the refusal's second half)
+MOE_SUPPORTED = (
+    "QeRL trains Qwen3-MoE policies (model_type 'qwen3_moe'): the routed experts packed in NVFP4 (NVFP4Experts, "
+    "written per expert as vLLM's Qwen3-MoE loader reads them, served by vLLM's Marlin MoE), the router 16-bit, "
+    "the LoRA on the attention (and on the experts by naming 'experts'). Other MoE layouts (Mixtral's w1/w2/w3 "
+    "experts, shared experts, gpt-oss) are not built: use a Qwen3-MoE or a dense model (Llama, Qwen2, Qwen3, "
+    "Mistral families)."
 )
 
 
 class MoENotSupportedError(NotImplementedError):
-    """A mixture-of-experts model was given; the message names the missing parts (see the module docstring)."""
+    """A mixture-of-experts model of a layout QeRL does not train (anything but Qwen3-MoE) was given."""
 
 
 def moe_expert_count(config: Any) -> int:
@@ -77,13 +76,13 @@ def moe_expert_count(config: Any) -> int:
 
 
 def refuse_moe_config(config: Any, name: str) -> None:
-    """Raise :class:`MoENotSupportedError` for a MoE config (before any model or weight is built)."""
+    """Raise :class:`MoENotSupportedError` for a MoE config of a layout other than
+    :data:`EXPERT_LAYOUT_MODEL_TYPES` (before any model or weight is built)."""
     n = moe_expert_count(config)
-    if n:
-        raise MoENotSupportedError(
-            f"{name} is a mixture-of-experts model ({n} experts). "
-            + MOE_MISSING.format(example="e.g. mlp.experts.gate_up_proj")
-        )
+    model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    if n and model_type not in EXPERT_LAYOUT_MODEL_TYPES:
+        raise MoENotSupportedError(f"{name} is a mixture-of-experts model ({n} experts, {model_type}). "
+                                   + MOE_SUPPORTED)
 
 
 def refuse_moe_model(model: nn.Module) -> None:
@@ -91,7 +90,8 @@ def refuse_moe_model(model: nn.Module) -> None:
     experts = [n for n, p in model.named_parameters() if p.ndim == 3]
     if experts:
         raise MoENotSupportedError(
-            f"{type(model).__name__} is a mixture-of-experts model. " + MOE_MISSING.format(example=repr(experts[0]))
+            f"{type(model).__name__} holds expert tensors ({experts[0]}) the NVFP4 Linear plan cannot convert. "
+            + MOE_SUPPORTED
         )
 
 
@@ -105,10 +105,6 @@ def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
             out[name] = module
     return out
 
-
-#: MoE decoders whose checkpoint layout NVFP4 experts are written in: per-expert ``mlp.experts.<e>.gate_proj`` /
-#: ``up_proj`` / ``down_proj`` and the router ``mlp.gate``, no shared expert (vLLM's Qwen3-MoE loader reads those)
-EXPERT_LAYOUT_MODEL_TYPES = ("qwen3_moe",)
 
 
 def check_expert_layout(model: nn.Module, experts: dict[str, nn.Module]) -> None:

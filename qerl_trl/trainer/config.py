@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -103,33 +104,33 @@ class QeRLGRPOConfig(GRPOConfig):
             completion token exceeds this many nats (or most of vLLM's log-probs are NaN): the engine is not serving
             the trained policy. Healthy runs measure about 0.05 (0.2–0.35 with AQN at σ = 1e-2). `None` disables.
 
-        > Mixture-of-experts policies (experimental)
+        > Mixture-of-experts policies
 
-        experimental_moe (`bool`, defaults to `False`):
-            Train a Qwen3-MoE policy (16-bit or NVFP4A16 checkpoint, or model): its routed experts in NVFP4
-            (`NVFP4Experts`, packed on load or read packed, frozen), its attention in NVFP4 with the LoRA
-            (`"all-linear"` reaches no expert or router; `"experts"` in `target_modules` adds a LoRA on every routed
-            expert, served by `vllm_lora_backend="vllm"` in colocate mode, not yet run on a GPU; other targets off
-            the attention are refused), the router 16-bit. Its vLLM colocate path passed the GPU suite's checks on
-            a small Qwen3-MoE with both LoRA backends, and a Qwen3-30B-A3B-shaped step ran on an H100 and an H200
-            (docs/benchmarks.md). Without it a MoE model is refused before anything loads.
+        A Qwen3-MoE policy (16-bit or NVFP4A16 checkpoint, or model) trains as a dense one does: its routed experts
+        in NVFP4 (`NVFP4Experts`, packed on load or read packed, frozen), its attention in NVFP4 with the LoRA
+        (`"all-linear"` reaches no expert or router; `"experts"` in `target_modules` adds a LoRA on every routed
+        expert, served by `vllm_lora_backend="vllm"` in colocate mode), the router 16-bit (docs/usage.md).
+
+        experimental_moe (`bool` or `None`, defaults to `None`):
+            Deprecated and ignored (it was needed before Qwen3-MoE training passed its GPU checks); setting it
+            warns. It will be removed.
         vllm_return_routed_experts (`bool`, defaults to `False`):
-            With `experimental_moe` and vLLM colocate: the engine records the experts it routes each token to
+            A MoE policy in vLLM colocate mode: the engine records the experts it routes each token to
             (vLLM's `enable_return_routed_experts`), so `qerl_trl.trainer.moe_routing.check_routing(trainer,
             token_ids)` can compare them, token by token and layer by layer, with the trainer's router. A check of
             the serving path, off in training: it costs a few bytes per token and layer.
 
         > Training pass
 
-        fused_importance_sampling (`bool` or `None`, defaults to `False`):
+        fused_importance_sampling (`bool` or `None`, defaults to `None`):
             Take the trainer's log-probs of vLLM's importance-sampling ratio from each micro-batch's training
             forward, instead of the separate no-grad forward over the whole round that TRL runs for them: one
             forward fewer a step, the same ratio and loss. On-policy rounds only (`num_iterations=1`,
             `gradient_accumulation_steps` a multiple of `steps_per_generation`): with `True` anything else is
             refused; with `None` the fused pass runs where the rounds allow it and TRL's forward elsewhere. TRL's
             `sampling/*` metrics are then logged per micro-batch, and the rollout guard judges a round when the next
-            one starts. 1.18x the step at 7B 8x8x512 with sleep mode on an H200 (docs/benchmarks.md); off by
-            default until the GPU suite has run with it on.
+            one starts. 1.18x the step at 7B 8x8x512 with sleep mode on an H200 (docs/benchmarks.md). `False`:
+            TRL's separate forward always.
 
     > [!NOTE]
     > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
@@ -229,9 +230,9 @@ class QeRLGRPOConfig(GRPOConfig):
         },
     )
 
-    experimental_moe: bool = field(
-        default=False,
-        metadata={"help": "Train a Qwen3-MoE policy (experts in NVFP4, LoRA on the attention); experimental."},
+    experimental_moe: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated and ignored: Qwen3-MoE policies train without it."},
     )
     vllm_return_routed_experts: bool = field(
         default=False,
@@ -239,7 +240,7 @@ class QeRLGRPOConfig(GRPOConfig):
                   "so qerl_trl.trainer.moe_routing.check_routing can compare them with the trainer's router."},
     )
     fused_importance_sampling: bool | None = field(
-        default=False,
+        default=None,
         metadata={"help": "Build vLLM's importance-sampling ratio from each micro-batch's training forward instead of "
                   "a separate forward over the round (one forward fewer a step; on-policy rounds only; None: where "
                   "the rounds allow it)."},
@@ -256,12 +257,13 @@ class QeRLGRPOConfig(GRPOConfig):
                 raise ValueError(f"fused_importance_sampling=True cannot run here: {why}.")
         if self.use_vllm and self.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
-        if self.vllm_return_routed_experts and not (self.experimental_moe and self.use_vllm
-                                                    and self.vllm_mode == "colocate"):  # fmt: skip
+        if self.experimental_moe is not None:
+            warnings.warn("QeRLGRPOConfig(experimental_moe=...) is deprecated and ignored: Qwen3-MoE policies train "
+                          "without it. Remove it; it will be removed.", FutureWarning, stacklevel=3)
+        if self.vllm_return_routed_experts and not (self.use_vllm and self.vllm_mode == "colocate"):
             raise ValueError(
                 "vllm_return_routed_experts=True records a mixture-of-experts policy's routing in the trainer's own "
-                "vLLM engine: it needs experimental_moe=True, use_vllm=True and vllm_mode='colocate'. Leave it off "
-                "otherwise."
+                "vLLM engine: it needs use_vllm=True and vllm_mode='colocate'. Leave it off otherwise."
             )
 
     def _check_qerl_options(self) -> None:

@@ -33,10 +33,10 @@ def has_nvfp4(model: nn.Module) -> bool:
     return any(isinstance(m, NVFP4Linear) for m in model.modules())
 
 
-def quantize_instance(model: nn.Module, modules_to_not_convert: list[str] | None, allow_moe: bool = False) -> None:
+def quantize_instance(model: nn.Module, modules_to_not_convert: list[str] | None) -> None:
     """Quantize a user's 16-bit model to NVFP4 in place (peak: the model plus one fused group; see
-    ``quantizer.quantize_model``). The caller's object is changed: its Linears become NVFP4Linear (and, with
-    ``allow_moe``, a Qwen3-MoE's experts NVFP4Experts)."""
+    ``quantizer.quantize_model``). The caller's object is changed: its Linears become NVFP4Linear (and a
+    Qwen3-MoE's experts NVFP4Experts; another MoE layout is refused first)."""
     from ..quantizer import NVFP4Config, quantize_model
 
     if getattr(model, "hf_quantizer", None) is not None and not has_nvfp4(model):
@@ -45,8 +45,7 @@ def quantize_instance(model: nn.Module, modules_to_not_convert: list[str] | None
             f"The model is already quantized ({method}); QeRL needs a 16-bit model (quantized to NVFP4 here) or one "
             "loaded with quantization_config=qerl_trl.NVFP4Config()."
         )
-    if not allow_moe:
-        refuse_moe_config(model.config, type(model).__name__)
+    refuse_moe_config(model.config, type(model).__name__)
     plan = quantize_model(model, NVFP4Config(modules_to_not_convert=modules_to_not_convert))
     logger.info("QeRL: quantized the given model to NVFP4 in place (%d Linear layers)", len(plan.groups))
 

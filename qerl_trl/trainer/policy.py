@@ -94,7 +94,7 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
                 "You passed a PeftModel and a peft_config; pass one of them (the PeftModel's own LoRA is used)."
             )
         base = model.get_base_model()
-        check_architecture(base.config, type(base).__name__, args.experimental_moe)
+        check_architecture(base.config, type(base).__name__)
         check_vllm_layout(base.config, args)
         own_lora = check_peft_model(model)[1]
         check_lora_early(own_lora, args)
@@ -113,11 +113,11 @@ def prepare_policy(model: str | nn.Module, args: QeRLGRPOConfig, peft_config: An
         model, source_is_nvfp4 = load_nvfp4_model(model, args, peft_config)
     else:
         base = _base_model(model)
-        check_architecture(base.config, type(base).__name__, args.experimental_moe)
+        check_architecture(base.config, type(base).__name__)
         check_vllm_layout(base.config, args)
         check_moe_lora(base.config, peft_config, args)
         if not has_nvfp4(model):
-            quantize_instance(model, args.nvfp4_modules_to_not_convert, args.experimental_moe)
+            quantize_instance(model, args.nvfp4_modules_to_not_convert)
     if split is None:
         peft_config = attention_lora_for_moe(peft_config, model)
 
@@ -222,12 +222,12 @@ def check_moe_lora(config: Any, lora_config: Any, args: Any = None) -> None:
             )
 
 
-def check_architecture(config: Any, model_class_name: str | None = None, allow_moe: bool = False) -> str:
-    """Return the architecture name, or raise a clear error naming an unsupported one (a MoE one: the missing
-    parts, see ``quantizer.moe``; with ``allow_moe``, ``experimental_moe``, Qwen3-MoE passes)."""
+def check_architecture(config: Any, model_class_name: str | None = None) -> str:
+    """Return the architecture name, or raise a clear error naming an unsupported one (a MoE other than Qwen3-MoE:
+    ``quantizer.moe``'s refusal)."""
     archs = list(getattr(config, "architectures", None) or [])
     arch = model_class_name or (archs[0] if archs else type(config).__name__)
-    if allow_moe and getattr(config, "model_type", None) in EXPERT_LAYOUT_MODEL_TYPES:
+    if getattr(config, "model_type", None) in EXPERT_LAYOUT_MODEL_TYPES:
         return arch
     refuse_moe_config(config, arch)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -305,7 +305,7 @@ def load_nvfp4_model(model_id: str, args: QeRLGRPOConfig, lora_config: Any = Non
     config = AutoConfig.from_pretrained(
         model_id, revision=kwargs.get("revision"), trust_remote_code=kwargs["trust_remote_code"]
     )
-    check_architecture(config, allow_moe=args.experimental_moe)
+    check_architecture(config)
     check_vllm_layout(config, args)
     check_moe_lora(config, lora_config, args)
     qc = getattr(config, "quantization_config", None)
