@@ -90,7 +90,8 @@ def record_aqn_in_vllm(trainer) -> tuple[list[dict], Any]:
         m = trainer.aqn.metrics(trainer.state)
         rounds.append({"step": trainer.state.global_step, "sigma": m["aqn/sigma"], "stage": int(m["aqn/stage"]),
                        "realized_std": float(diff.std()), "max_abs": float(diff.abs().max()),
-                       "vllm_norm_dtypes": sorted({vals[n][1] for n in names}), "sync_s": gen.last_sync_seconds})
+                       "vllm_norm_dtypes": sorted({vals[n][1] for n in names}), "sync_s": gen.last_sync_seconds,
+                       "vllm_norms_not_fp32": sorted(n for n in names if vals[n][1] != "torch.float32")[:6]})
 
     def stop():
         gen.sync_weights = original_sync

@@ -294,3 +294,28 @@ def test_compare_runs_on_a_users_dataset_file_with_chat_prompts(tmp_path):
     assert train[0]["prompt"] == [{"role": "user", "content": rows[0]["question"]}] and train[0]["answer"] == rows[0]["answer"]
     runs = run_comparison(cfg)["runs"]
     assert [r["status"] for r in runs] == ["ok", "ok"] and all(r["evals"]["step"] == [0, 1, 2] for r in runs)
+
+
+def test_each_run_of_a_wave_gets_a_rendezvous_port_of_its_own(tmp_path, monkeypatch):
+    """The runs of a wave start side by side on one GPU, each a world of one binding MASTER_PORT: one port for the
+    wave failed its second run with EADDRINUSE (the GPU suite's learning part at a05a113)."""
+    import subprocess
+
+    from qerl_trl.study import runner
+    from qerl_trl.study.spec import RunSpec
+
+    ports = iter(range(41001, 41010))
+    monkeypatch.setattr(runner, "free_port", lambda: next(ports))
+    envs = []
+
+    class Done:
+        returncode = 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, env, **kw: envs.append(env) or Done())
+    (tmp_path / "runs").mkdir()
+    runs = [RunSpec(arm, 0, 1e-5, "bf16", "nvfp4") for arm in ("bf16_lora", "qerl")]
+    runner._run_wave(LearningConfig(output_dir=str(tmp_path)), tmp_path, runs, 0)
+    assert [e["MASTER_PORT"] for e in envs] == ["41001", "41002"]

@@ -384,9 +384,9 @@ def _run_wave(cfg: LearningConfig, work: Path, wave_runs: list[RunSpec], index: 
     config_path = wave / "config.json"
     config_path.write_text(json.dumps(asdict(cfg)))
     threads = max(1, (os.cpu_count() or 2) // len(wave_runs))
-    env = child_env(os.environ, threads)
     procs = []
     for run in wave_runs:
+        env = child_env(os.environ, threads)  # a rendezvous port per run: the wave's runs start side by side
         path = work / "runs" / f"{run.name}.jsonl"
         if path.exists():  # an unfinished earlier attempt: start over
             path.rename(path.with_suffix(f".{int(time.time())}.partial"))

@@ -278,12 +278,15 @@ class QeRLGRPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """TRL's, after checking the checkpoint to resume from (``checkpoint_check``): ``True`` skips a newest
         checkpoint whose save did not finish, and a broken named checkpoint fails here, naming the file and the last
-        checkpoint that loads."""
+        checkpoint that loads. With ``fused_importance_sampling``, the rollout guard then judges the last round, which
+        no next round's start judges (every rank calls it: the verdict is gathered)."""
         if resume_from_checkpoint:
             resume_from_checkpoint = resolve_resume_checkpoint(
                 resume_from_checkpoint, self.args.output_dir, needs_optimizer=not self.args.save_only_model
             )
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        self._judge_fused_round()
+        return output
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's (every process's rewards, gathered), then a warning if GRPO can learn nothing from them
