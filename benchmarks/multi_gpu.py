@@ -64,8 +64,10 @@ def attach_rank_recorder(trainer, write) -> None:
     * ``{"event": "aqn", "step", "sigma", "sha"}`` per generation round: the round's noised norm weights (what the
       rank's vLLM engine gets; wraps ``trainer.aqn.begin_rollout``);
     * ``{"event": "lora", "step", "sha"}`` after each optimizer step: the rank's LoRA parameters;
-    * ``{"event": "gap", "step", "gap", "nan_fraction"}`` after each step with vLLM: the rollout-policy guard's
-      measure of the round (vLLM's log-probs against the trainer's).
+    * ``{"event": "gap", "step", "gap", "nan_fraction"}`` at each verdict of the rollout-policy guard: its measure
+      of a round (vLLM's log-probs against the trainer's), ``step`` the training step the round was generated for.
+      Recorded as the guard judges, not at step ends: with the fused pass a round is judged when the next starts,
+      and the last one when training ends.
     """
     from transformers import TrainerCallback
 
@@ -80,13 +82,20 @@ def attach_rank_recorder(trainer, write) -> None:
 
         trainer.aqn.begin_rollout = recorded_begin
 
+    guard = getattr(trainer, "_rollout_guard", None)
+    if guard is not None:
+        update = guard.update
+
+        def recorded_update(step, gap, nan_fraction, bad=None):
+            write(event="gap", step=int(step) + 1, gap=gap, nan_fraction=nan_fraction)  # before: update may raise
+            return update(step, gap, nan_fraction, bad)
+
+        guard.update = recorded_update
+
     class RankRecorder(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kw):
             lora = [p for n, p in sorted(model.named_parameters()) if "lora_" in n]
             write(event="lora", step=int(state.global_step), sha=_sha(lora))
-            guard = getattr(trainer, "_rollout_guard", None)
-            if guard is not None and guard.last is not None:
-                write(event="gap", step=int(state.global_step), gap=guard.last[0], nan_fraction=guard.last[1])
 
     trainer.add_callback(RankRecorder())
 

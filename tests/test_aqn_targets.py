@@ -190,3 +190,25 @@ def test_error_when_some_layer_lacks_structure():
     msg = str(e.value)
     assert "model.layers[0]: model.layers.0.input_layernorm -> ['q_proj', 'k_proj', 'v_proj']" in msg
     assert "model.layers[1]: model.layers.1.post_attention_layernorm -> ['gate_proj', 'up_proj']" in msg
+
+
+@pytest.mark.parametrize("lora_targets", [["q_proj"], ["q_proj", "experts"]])
+def test_a_moe_gets_noise_in_both_norms_on_the_base_and_under_any_lora(lora_targets):
+    """The post-attention norm feeds the packed NVFP4 experts (FP4 projections of the hidden state, as gate/up are):
+    a target on the base model, where the trainer lists vLLM's float32 norms, and under PEFT, where AQN noises them,
+    with or without a LoRA on the experts. They differed before (the base model's trace saw no projection after the
+    norm, PEFT's expert LoRA did): vLLM then held a noised norm in bf16 (the GPU suite's moe part at a05a113)."""
+    from peft import LoraConfig, get_peft_model
+
+    import qerl_trl.peft_lora  # noqa: F401 - registers the NVFP4 LoRA layers
+    from qerl_trl.quantizer import NVFP4Config, quantize_model
+    from tests.test_nvfp4_experts import tiny_moe
+
+    model = tiny_moe(dtype=torch.bfloat16)
+    quantize_model(model, NVFP4Config())
+    want = [(f"model.layers.{i}.{norm}.weight", i, feeds) for i in range(2)
+            for norm, feeds in (("input_layernorm", QKV), ("post_attention_layernorm", ("experts",)))]  # fmt: skip
+    assert summary(find_noise_targets(model)) == want
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=lora_targets)
+    peft_model = get_peft_model(model, lora)
+    assert [vllm_param_name(t) for t in find_noise_targets(peft_model)] == [n for n, _, _ in want]

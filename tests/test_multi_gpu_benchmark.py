@@ -140,3 +140,19 @@ def test_a_mode_cut_off_at_its_limit_says_how_far_each_rank_got(tmp_path, monkey
     }
     assert row["log_tail"] == "INFO Capturing CUDA graphs (decode)"
     assert "frame #0" in (tmp_path / "mode-tp2.log").read_text()  # the whole output is kept beside
+
+
+def test_the_recorder_writes_each_guard_verdict_with_the_step_of_its_round():
+    """Each verdict as the guard gives it (with the fused pass the last round is judged after the last step end,
+    which the GPU suite's DDP, server and TP jobs missed at ef81735: 3 gap events for 4 rounds)."""
+    from types import SimpleNamespace
+
+    from qerl_trl.trainer.rollout_guard import RolloutPolicyGuard
+
+    events = []
+    trainer = SimpleNamespace(aqn=None, _rollout_guard=RolloutPolicyGuard(1.0), add_callback=lambda cb: None)
+    mg.attach_rank_recorder(trainer, lambda **row: events.append(row))
+    for step, gap in enumerate([0.01, 0.02, 0.3, 0.2]):
+        trainer._rollout_guard.update(step, gap, 0.0)
+    assert [(e["step"], e["gap"]) for e in events] == [(1, 0.01), (2, 0.02), (3, 0.3), (4, 0.2)]
+    assert trainer._rollout_guard.last == (0.2, 0.0)

@@ -9,7 +9,8 @@ vLLM's model, so its noise never reached a rollout. Here the targets are found b
 2. a norm candidate is a submodule of a layer whose only own parameter is a 1-D ``weight`` of size ``hidden``
    (RMSNorm-like: a bias would break the ``Ŵ·diag(1 + z/w)`` equivalence);
 3. one tiny forward pass (4 tokens, no grad, eval mode) with hooks traces which Linear-like modules (anything
-   with ``in_features``/``out_features``: ``nn.Linear``, ``NVFP4Linear``, PEFT LoRA layers) consume a norm's
+   with ``in_features``/``out_features``: ``nn.Linear``, ``NVFP4Linear``, PEFT LoRA layers; and a MoE's packed
+   NVFP4 experts, FP4 projections of the hidden state like gate/up, so a MoE gets noise in both norms) consume a norm's
    output tensor (the projections return zeros meanwhile: their arithmetic is not needed, and on a CPU it takes
    minutes at 14B); a candidate that feeds at least one projection is a target, and ``feeds`` names the
    outermost consumers (``q_proj``, not ``q_proj.base_layer`` or ``q_proj.lora_A.default``).
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from ..nvfp4.experts import NVFP4Experts
 
 __all__ = ["NoiseTarget", "AQNStructureError", "find_noise_targets", "vllm_param_name"]
 
@@ -105,9 +108,14 @@ def _is_norm_candidate(module: nn.Module, hidden: int) -> bool:
 
 
 def _is_linear_like(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "in_features", None), int) and isinstance(
-        getattr(module, "out_features", None), int
+    return isinstance(module, NVFP4Experts) or (
+        isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int)
     )
+
+
+def _out_width(module: nn.Module) -> int:
+    """A projection's output width: a Linear's ``out_features``; packed experts return the hidden state's."""
+    return module.hidden if isinstance(module, NVFP4Experts) else module.out_features
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -129,7 +137,7 @@ def _projections_return_zeros(model: nn.Module) -> Iterator[None]:
     def zeros(module: nn.Module):
         def forward(*args, **kwargs):
             x = _tensor_args(args, kwargs)[0]
-            return x.new_zeros(*x.shape[:-1], module.out_features)
+            return x.new_zeros(*x.shape[:-1], _out_width(module))
 
         return forward
 
