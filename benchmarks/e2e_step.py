@@ -43,7 +43,8 @@ Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the
 Checkpoints are written once per machine under ``--work``: BF16 with ``from_config`` on the GPU (7B, 14B), NVFP4A16
 with random packed weights directly (every size; a 32B BF16 checkpoint, 65 GB, does not fit a 64 GiB disk).
 ``--sizes 30b-a3b`` (Qwen3-30B-A3B, issue #54): QeRL arms train from the NVFP4A16 checkpoint; TRL's arm is
-``not_run`` on a card smaller than its two BF16 copies (``unrunnable``), and elsewhere needs the BF16 checkpoint (61 GB: a 4-GPU machine's disk).
+``not_run`` on a card smaller than its two BF16 copies (``unrunnable``), and elsewhere needs the BF16 checkpoint
+(61 GB: a 4-GPU machine's disk).
 """
 
 from __future__ import annotations
