@@ -217,7 +217,7 @@ def run_check(
         nvfp4_cache_dir=os.path.join(work, "cache"),
         vllm_lora_backend=lora_backend,
         **({} if lora_sync_in_place is None else {"vllm_lora_sync_in_place": lora_sync_in_place}),
-        fused_importance_sampling=fused_importance_sampling,
+        **({} if fused_importance_sampling is None else {"fused_importance_sampling": fused_importance_sampling}),
         seed=0,
     )
     t0 = time.perf_counter()
@@ -324,8 +324,8 @@ def main():
                     help='QeRLGRPOConfig.vllm_lora_sync_in_place=False (lora_backend "vllm": every round\'s adapter '
                     "loaded from files, not refreshed in place on the GPU)")
     ap.add_argument("--fused_importance_sampling", action="store_const", const=True, default=None,
-                    help="QeRLGRPOConfig.fused_importance_sampling=True (default: None, as shipped: the IS ratio from "
-                    "the training forward where the rounds allow it)")
+                    help="QeRLGRPOConfig.fused_importance_sampling=True (the IS ratio from the training forward; "
+                    "default: the config's own default)")
     ap.add_argument("--no_fused_importance_sampling", dest="fused_importance_sampling", action="store_const",
                     const=False, help="fused_importance_sampling=False (TRL's separate forward for the IS ratio)")
     ap.add_argument("--out", default=None)

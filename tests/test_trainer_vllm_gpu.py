@@ -17,15 +17,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("lora_backend,extra", [("vllm", []), ("qerl", []),
                                                 ("vllm", ["--lora_sync_files", "--sleep"]),
-                                                ("qerl", ["--no_fused_importance_sampling", "--sleep"])],
-                         ids=["vllm", "qerl", "vllm_files_sleep", "qerl_unfused_is_sleep"])  # fmt: skip
+                                                ("qerl", ["--fused_importance_sampling", "--sleep"])],
+                         ids=["vllm", "qerl", "vllm_files_sleep", "qerl_fused_is_sleep"])  # fmt: skip
 def test_colocate_vllm_lora_aqn_fp4_kernel(tmp_path, smollm2_gguf, lora_backend, extra):
     """Every check of colocate_check, per LoRA backend as shipped (``gpu_suite.py colocate``; the "vllm" backend
     refreshes the loaded adapter in place after the first round, and the log-prob match after the check's own sync
     of a perturbed LoRA says the refresh landed), then the options off the default path (``colocate_variants``),
     with sleep mode on: the "vllm" backend loading every round's adapter from files
-    (``vllm_lora_sync_in_place=False``), and TRL's separate forward for the importance-sampling ratio
-    (``fused_importance_sampling=False``; the default takes it from the training forward)."""
+    (``vllm_lora_sync_in_place=False``), and the importance-sampling ratio from the training forward
+    (``fused_importance_sampling``: the IS-ratio check reads its metrics)."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "colocate_check.py"), "--gguf", smollm2_gguf,
            "--work", str(tmp_path), "--steps", "6", "--lora_backend", lora_backend, "--out", str(out),
