@@ -106,7 +106,6 @@ def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-
 def check_expert_layout(model: nn.Module, experts: dict[str, nn.Module]) -> None:
     """A model with expert stacks must be one whose checkpoint names :class:`~qerl_trl.nvfp4.experts.NVFP4Experts`
     writes (:data:`EXPERT_LAYOUT_MODEL_TYPES`: Mixtral's vLLM checkpoints name experts ``w1``/``w2``/``w3``), with each
