@@ -213,3 +213,21 @@ def test_trainer_loop_rollout_only_and_resume(tmp_path):
     assert sorted(resumed["rollouts"]) == [4]
     a, b = seen["rollouts"][4], resumed["rollouts"][4]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_given_targets_are_the_ones_noised_without_a_new_trace(monkeypatch):
+    """The trainer traces once and gives AQN the targets whose norms it keeps float32 in vLLM: the callback must not
+    find others on the (PEFT-wrapped) model it is later handed."""
+    from qerl_trl.aqn import noise as noise_module
+
+    model = tiny_model("llama")
+    targets = find_noise_targets(model)[:1]
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(noise_module, "find_noise_targets", no_trace)
+    from qerl_trl.aqn import AQNCallback
+
+    cb = AQNCallback(AQNSchedule(1e-2, 1e-2, 2), targets=targets)
+    assert list(cb.begin_rollout(model, TrainerState(global_step=5, max_steps=10))) == [vllm_param_name(targets[0])]

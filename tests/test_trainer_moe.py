@@ -153,6 +153,13 @@ def test_a_qwen3_moe_policy_trains_a_lora_on_its_experts_without_vllm(moe_checkp
                               train_dataset=dataset(), processing_class=make_tokenizer(), peft_config=lora)  # fmt: skip
     model = trainer.model
     assert sum(isinstance(m, NVFP4ExpertsLora) for m in model.modules()) == 2
+    # AQN noises the norms found once on the base model, the ones vLLM keeps float32: both norms of each layer
+    from qerl_trl.aqn import vllm_param_name
+
+    names = [vllm_param_name(t) for t in trainer.aqn.targets]
+    assert sorted(names) == sorted(f"model.layers.{i}.{n}.weight" for i in range(2)
+                                   for n in ("input_layernorm", "post_attention_layernorm"))  # fmt: skip
+    assert list(trainer.aqn.clean_weights(model)) == names  # the PEFT model's noise: the same targets, no new trace
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
     trainer.train()
     moved = [n for n, p in model.named_parameters() if "lora_B" in n and ".experts." in n

@@ -25,6 +25,7 @@ exactly the noise an uninterrupted run would, on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -33,7 +34,7 @@ from transformers import TrainerCallback
 
 from .noise import NormNoise
 from .schedule import AQNSchedule
-from .targets import vllm_param_name
+from .targets import NoiseTarget, vllm_param_name
 
 __all__ = ["AQNCallback"]
 
@@ -48,6 +49,7 @@ class AQNCallback(TrainerCallback):
         schedule: AQNSchedule | None = None,
         seed: int = 0,
         apply_to: Literal["rollout", "rollout_and_policy"] = "rollout",
+        targets: Sequence[NoiseTarget] | None = None,
     ) -> None:
         if apply_to not in APPLY_TO:
             raise ValueError(f"AQNCallback: apply_to must be one of {APPLY_TO}, got {apply_to!r}")
@@ -58,6 +60,9 @@ class AQNCallback(TrainerCallback):
         self.schedule = schedule or AQNSchedule()
         self.seed = seed
         self.apply_to = apply_to
+        #: the norms to noise, as found once by the trainer (which also keeps them float32 in vLLM); None: found on
+        #: the model at first use
+        self.targets = list(targets) if targets is not None else None
         self._noise: NormNoise | None = None
         self._round: tuple[float, int, int] | None = None  # (sigma, stage, step) of the last rollout
 
@@ -68,7 +73,7 @@ class AQNCallback(TrainerCallback):
         if self._noise is None or self._noise.model is not model:
             if self._noise is not None:
                 self._noise.restore()
-            self._noise = NormNoise(model)
+            self._noise = NormNoise(model, self.targets)
         return self._noise
 
     def _position(self, state) -> tuple[float, int, int]:

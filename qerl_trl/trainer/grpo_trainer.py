@@ -110,13 +110,15 @@ class QeRLGRPOTrainer(GRPOTrainer):
         policy = prepare_policy(model, args, peft_config, processing_class, quantization_config)
         model, processing_class = policy.base, policy.processing_class
 
-        # AQN (its targets are found on the base model, before PEFT wraps it)
+        # AQN: its targets are found once, on the base model before PEFT wraps it (PEFT leaves the norms as they are),
+        # and the vLLM engine keeps exactly those norms float32
         self.aqn = None
         if args.aqn:
             from ..aqn import AQNCallback, AQNSchedule, find_noise_targets, vllm_param_name
 
             schedule = AQNSchedule(args.aqn_sigma_start, args.aqn_sigma_end, args.aqn_num_stages)
-            self.aqn = AQNCallback(schedule, seed=args.seed, apply_to=args.aqn_apply_to)
+            self.aqn = AQNCallback(schedule, seed=args.seed, apply_to=args.aqn_apply_to,
+                                   targets=find_noise_targets(model))  # fmt: skip
             callbacks = [*(callbacks or []), self.aqn]
 
         swap = None
@@ -133,9 +135,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             rank = check_lora_config_for_vllm(policy.lora_config)
             qerl_lora = args.vllm_lora_backend == "qerl"  # any rank: no vLLM LoRA slots to pad to
             max_rank = rank if qerl_lora else vllm_max_lora_rank(rank, args.vllm_max_lora_rank)
-            norm_names = []
-            if self.aqn is not None:
-                norm_names = [vllm_param_name(t) for t in find_noise_targets(model)]
+            norm_names = [] if self.aqn is None else [vllm_param_name(t) for t in self.aqn.targets]
             if args.vllm_mode == "server":  # the server serves its own copy of the checkpoint, with its kernel
                 checkpoint = server_checkpoint_hint(policy.source, policy.source_is_nvfp4)
                 kernel = "chosen by the server"

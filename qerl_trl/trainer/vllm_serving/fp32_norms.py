@@ -32,19 +32,6 @@ def engine_norm_overrides(param_names: Iterable[str], hf_overrides: dict[str, An
     return overrides or None
 
 
-def check_noised_norms_in_fp32(noised: Iterable[str], fp32_names: Iterable[str]) -> None:
-    """Every norm AQN noises must be one the engine holds in float32 (listed when it started): AQN's σ goes below
-    bf16's step, so a bf16 norm would round its noise away. A mismatch is a bug of ours (the two lists come from
-    the same trace, on the base model and under PEFT): stop before the round instead of training on it."""
-    missing = sorted(set(noised) - set(fp32_names))
-    if missing:
-        raise RuntimeError(
-            f"AQN noises {len(missing)} norm weights that vLLM's engine holds in bfloat16, e.g. {missing[:3]}: "
-            "their noise would be rounded away. This is a qerl-trl bug (the engine's float32 norms were listed "
-            "from another trace than AQN's); please report it. Meanwhile train with aqn=False."
-        )
-
-
 def push_norm_weights(llm: Any, noised: dict[str, torch.Tensor]) -> int:
     """Copy AQN-noised norm weights (keyed by vLLM parameter name) in place into vLLM's model; return count."""
     return sum(llm.apply_model(lambda model: copy_norms_in_place(model, noised)))

@@ -27,7 +27,7 @@ import torch
 
 from .adapter_lora import AdapterLoRABackend
 from .compile_cache import compile_cache_marker
-from .fp32_norms import check_noised_norms_in_fp32, engine_norm_overrides, push_norm_weights
+from .fp32_norms import engine_norm_overrides, push_norm_weights
 from .in_layer_lora import InLayerLoRABackend
 from .lora_backend import VLLMLoRABackend
 from .serving_llm import LoRAServingLLM
@@ -178,7 +178,6 @@ def make_qerl_vllm_generation_class():
             phases.update(self.lora_backend.last_phases or {"lora": time.perf_counter() - t1})
             t1 = time.perf_counter()
             if self.pending_norms:
-                check_noised_norms_in_fp32(self.pending_norms, self.serving.fp32_norm_names)
                 push_norm_weights(self.llm, self.pending_norms)
                 self.pending_norms = None
             self.llm.reset_prefix_cache()
