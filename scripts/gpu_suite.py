@@ -9,12 +9,13 @@
 Every GPU test belongs to exactly one part (``tests/test_gpu_suite.py`` checks it on CPU), so running every part
 at one commit is running the whole suite there. A part runs pytest with ``-m "gpu or vllm"`` and its files. Run them
 in the order listed on one machine: ``real_shape_32b`` reuses the checkpoint ``checkpoint_32b`` writes under
-``$QERL_E2E_WORK`` (alone, it writes it first and takes longer). The ``server`` part and ``benchmarks/multi_gpu.py``'s
-server mode start ``vllm serve``, which needs the wheels of ``scripts/gpu-serve-wheels.txt`` in the device bundle.
+``$QERL_E2E_WORK`` (alone, it writes it first and takes longer). The ``server_*`` parts and
+``benchmarks/multi_gpu.py``'s server mode start ``vllm serve``, which needs the wheels of
+``scripts/gpu-serve-wheels.txt`` in the device bundle.
 
 Why lanes: a 2-GPU machine counts its held time in full, a one-GPU machine (here) at a share, and the one-GPU parts
 take longer together than one machine is held; on two GPUs side by side they take about half the wall time, in one
-bundle upload. Lane ``i`` sees only GPU ``i`` (``CUDA_VISIBLE_DEVICES``; ``server`` then shares that GPU with its
+bundle upload. Lane ``i`` sees only GPU ``i`` (``CUDA_VISIBLE_DEVICES``; ``server_*`` then share that GPU with its
 trainer) and gets its own ``QERL_E2E_WORK``; its output goes to ``gpu_suite-lane<i>.log`` in the record directory (or
 the working directory), and each row notes its lane. A lane's wall times are not those of a machine to itself.
 Tests that start a child on "GPU i" name the lane's own GPU (``benchmarks._child.visible_gpu``).
@@ -43,6 +44,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from benchmarks._child import signal_group, visible_gpu  # noqa: E402 - the repository root first
 
+_SERVER_TEST = ("tests/test_server_mode_gpu.py::"
+                "test_training_against_the_server_serves_the_trained_lora_and_never_writes_the_base")
+
 #: part -> (pytest arguments, what it holds). Each part's measured time is a row of RESULTS (``--record``): the
 #: rows name their commit and GPU, and ``--list`` shows the newest. vLLM's compile cache may have been warm from an
 #: earlier part on the same machine.
@@ -62,8 +66,10 @@ PARTS: dict[str, tuple[list[str], str]] = {
     # the 32B memory step took 9.5 min with its checkpoint's write at aa48af6: the write is its own part, run first
     "checkpoint_32b": (["tests/test_checkpoint_32b.py"], "writes and checks the 32B NVFP4 checkpoint"),
     "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step on the checkpoint above"),
-    "server": (["tests/test_server_mode_gpu.py"], "qerl-trl vllm-serve + a server-mode trainer, both LoRA backends "
-               "(one GPU shared, or the server on the second)"),
+    # one part per LoRA backend: together they ran past a 535 s timeout beside other lanes (2493cbf, 67f707f)
+    # (one GPU shared by the server and the trainer, or the server on the second)
+    "server_qerl": ([f"{_SERVER_TEST}[qerl]"], "qerl-trl vllm-serve + a server-mode trainer, the in-layer LoRA"),
+    "server_vllm": ([f"{_SERVER_TEST}[vllm]"], "the same with vLLM's adapters (the \"vllm\" LoRA backend)"),
     "multi_gpu": (["tests/test_multi_gpu.py"], "DDP jobs (both LoRA backends, a resume), FSDP refused: 2 GPUs"),
     "tensor_parallel": (["tests/test_tensor_parallel_gpu.py"], "TP=2 colocated engine, both LoRA backends: 2 GPUs"),
 }
@@ -121,7 +127,8 @@ def _run_part(part: str, rest: list[str], env: dict[str, str] | None = None,
     """Runs the part's pytest (in ``env``, in its own session so that :func:`_stop` reaches all it started), echoing
     its output to ``out`` (stdout); returns (exit code, pytest's summary line, seconds). A part stopped by
     :func:`_stop` returns a non-zero code and says so in its summary."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args(part), *rest]
+    # --durations: the log says which tests (and their setup: a vLLM engine's start) take a part's time
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", *pytest_args(part), *rest]
     out = out or sys.stdout
     t0 = time.monotonic()
     last = ""

@@ -28,8 +28,8 @@ def _part_tests(part: str, whole: set[str]) -> set[str]:
     its own marker or ``-k`` expression is collected."""
     args = gpu_suite.pytest_args(part)
     if args[:2] == ["-m", "gpu or vllm"] and "-k" not in args:
-        files = [a.rstrip("/") for a in args[2:]]
-        return {t for t in whole if any(t.split("::")[0] == f or t.startswith(f + "/") for f in files)}
+        paths = [a.rstrip("/") for a in args[2:]]  # files, folders, or test ids (``file::test[param]``)
+        return {t for t in whole if any(t == p or t.split("::")[0] == p or t.startswith(p + "/") for p in paths)}
     return _collect(args)
 
 
@@ -90,10 +90,11 @@ def test_the_list_shows_each_parts_newest_record(tmp_path, monkeypatch, capsys):
     h100 = [{"part": "kernels", "status": "failed", "wall_s": 300.0, "commit": "1" * 40},
             {"part": "kernels", "status": "passed", "wall_s": 278.4, "commit": "2" * 40},
             {"part": "multi_gpu", "status": "not_run: needs 2 GPUs", "wall_s": None, "commit": "2" * 40},
-            {"part": "server", "status": "failed", "wall_s": 431.0, "commit": "2" * 40, "when": "2026-11-25T21:36"},
+            {"part": "server_qerl", "status": "failed", "wall_s": 431.0, "commit": "2" * 40,
+             "when": "2026-11-25T21:36"},
             {"part": "learning", "status": "passed", "wall_s": 270.0, "commit": "4" * 40, "when": "2026-11-26T09:00"}]
     h200 = [{"part": "multi_gpu", "status": "passed", "wall_s": 446.3, "commit": "3" * 40, "when": "2026-11-26T04:45"},
-            {"part": "server", "status": "passed", "wall_s": 201.4, "commit": "3" * 40, "when": "2026-11-26T02:35",
+            {"part": "server_qerl", "status": "passed", "wall_s": 201.4, "commit": "3" * 40, "when": "2026-11-26T02:35",
              "selection": "-k qerl"},
             {"part": "learning", "status": "failed", "wall_s": 9.0, "commit": "3" * 40, "when": "2026-11-26T01:00"}]
     (tmp_path / "gpu_suite-h100.json").write_text(json.dumps({"rows": h100}))
@@ -103,7 +104,7 @@ def test_the_list_shows_each_parts_newest_record(tmp_path, monkeypatch, capsys):
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert "passed in 278 s at 2222222 (h100)" in lines["kernels"]
     assert "passed in 446 s at 3333333 (h200)" in lines["multi_gpu"]
-    assert "passed in 201 s at 3333333 (h200, a selection)" in lines["server"]
+    assert "passed in 201 s at 3333333 (h200, a selection)" in lines["server_qerl"]
     assert "passed in 270 s at 4444444 (h100)" in lines["learning"]
     assert "not yet run" in lines["colocate"]
 
