@@ -109,6 +109,7 @@ class RowSpec:
     grad_ckpt: bool = True  # gradient checkpointing
     fused_is: bool = False  # QeRL arms: fused_importance_sampling
     humming_ahead: bool = False  # qerl_single_lora: vllm_humming_compile_ahead
+    expand_in_gemm: bool = False  # qerl_single_lora: vllm_lora_expand_in_gemm
     lora_experts: bool = False  # QeRL arms on vLLM's adapters, MoE sizes: a LoRA on the routed experts too
 
     @property
@@ -116,7 +117,7 @@ class RowSpec:
         """The arm as ``--arms`` names it: ``qerl_single_lora:mb16:nogc:fis``."""
         return (self.arm + (f":mb{self.micro_batch}" if self.micro_batch else "") + ("" if self.grad_ckpt else ":nogc")
                 + (":fis" if self.fused_is else "") + (":ahead" if self.humming_ahead else "")
-                + (":experts" if self.lora_experts else ""))
+                + (":expand" if self.expand_in_gemm else "") + (":experts" if self.lora_experts else ""))
 
     @property
     def name(self) -> str:
@@ -132,12 +133,13 @@ def parse_arm(text: str) -> dict[str, Any]:
     """``"trl_bf16:mb16:nogc"`` -> ``{"arm": "trl_bf16", "micro_batch": 16, "grad_ckpt": False, "fused_is": False}``:
     an arm of :data:`ARMS`, optionally at another micro-batch (``:mbN``), without gradient checkpointing
     (``:nogc``) or, for a QeRL arm, with ``fused_importance_sampling`` (``:fis``), so each arm can run at its own
-    best settings beside the others; ``qerl_single_lora:ahead``: ``vllm_humming_compile_ahead``."""
+    best settings beside the others; ``qerl_single_lora:ahead``: ``vllm_humming_compile_ahead``;
+    ``qerl_single_lora:expand``: ``vllm_lora_expand_in_gemm``."""
     arm, *options = text.split(":")
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r} in {text!r}: one of {ARMS}, with :mbN, :nogc and/or :fis (:ahead)")
     out: dict[str, Any] = {"arm": arm, "micro_batch": None, "grad_ckpt": True, "fused_is": False,
-                           "humming_ahead": False, "lora_experts": False}
+                           "humming_ahead": False, "expand_in_gemm": False, "lora_experts": False}
     for option in options:
         if re.fullmatch(r"mb[1-9]\d*", option):
             out["micro_batch"] = int(option[2:])
@@ -147,11 +149,14 @@ def parse_arm(text: str) -> dict[str, Any]:
             out["fused_is"] = True
         elif option == "ahead" and QERL_ARMS.get(arm) == "qerl":
             out["humming_ahead"] = True
+        elif option == "expand" and QERL_ARMS.get(arm) == "qerl":
+            out["expand_in_gemm"] = True
         elif option == "experts" and QERL_ARMS.get(arm) == "vllm":  # vLLM's fused-MoE LoRA serves it
             out["lora_experts"] = True
         else:
             raise ValueError(f"unknown arm option {option!r} in {text!r}: :mbN (completions per micro-batch), :nogc "
-                             "or, on a QeRL arm, :fis, on qerl_single_lora :ahead, on qerl / qerl_inplace :experts")
+                             "or, on a QeRL arm, :fis, on qerl_single_lora :ahead or :expand, on qerl / qerl_inplace "
+                             ":experts")
     return out
 
 
@@ -422,6 +427,7 @@ def build_trainer(spec: RowSpec, work: str, steps: int, seed: int = 0, tp: int =
                                  "vllm_lora_backend": QERL_ARMS[spec.arm], **ARM_OPTIONS.get(spec.arm, {}),
                                  "fused_importance_sampling": spec.fused_is,
                                  "vllm_humming_compile_ahead": spec.humming_ahead,
+                                 "vllm_lora_expand_in_gemm": spec.expand_in_gemm,
                                  **({"lora_target_modules": [*MOE_LORA_TARGETS, "experts"]} if spec.lora_experts
                                     else {}),
                                  **(overrides or {})})
@@ -505,7 +511,8 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
     row: dict[str, Any] = dict(size=spec.size, arm=spec.arm, prompts=spec.prompts, generations=spec.generations,
                                completion_len=spec.completion_len, sleep=spec.sleep, generation=spec.generation,
                                micro_batch=spec.micro_batch, grad_ckpt=spec.grad_ckpt, fused_is=spec.fused_is,
-                               humming_ahead=spec.humming_ahead, lora_experts=spec.lora_experts,
+                               humming_ahead=spec.humming_ahead, expand_in_gemm=spec.expand_in_gemm,
+                               lora_experts=spec.lora_experts,
                                prompt_len=PROMPT_TOKENS, lora_r=LORA_R, steps=steps,
                                vllm_gpu_memory_utilization=vllm_memory_utilization(spec.size, card_gib))
     if card_gib is not None:

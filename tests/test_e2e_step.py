@@ -174,12 +174,16 @@ def test_arms_take_a_micro_batch_and_no_gradient_checkpointing():
     """``--arms trl_bf16:mb16 qerl_single_lora:mb16:nogc``: each arm at its own best settings, named apart in the
     rows, and TRL's fastest setting of a run is every row's baseline."""
     assert e2e.parse_arm("trl_bf16") == {"arm": "trl_bf16", "micro_batch": None, "grad_ckpt": True, "fused_is": False,
-                                         "humming_ahead": False, "lora_experts": False}  # fmt: skip
+                                         "humming_ahead": False, "expand_in_gemm": False,
+                                         "lora_experts": False}  # fmt: skip
     assert e2e.parse_arm("qerl_single_lora:mb16:nogc:fis") == {"arm": "qerl_single_lora", "micro_batch": 16,
                                                                "grad_ckpt": False, "fused_is": True,
-                                                               "humming_ahead": False,
+                                                               "humming_ahead": False, "expand_in_gemm": False,
                                                                "lora_experts": False}  # fmt: skip
     assert e2e.parse_arm("qerl_single_lora:ahead")["humming_ahead"]
+    expand = e2e.RowSpec("7b", **e2e.parse_arm("qerl_single_lora:expand:fis"), prompts=2, generations=8,
+                         completion_len=512, sleep=False)  # fmt: skip
+    assert expand.expand_in_gemm and expand.arm_options == "qerl_single_lora:fis:expand"
     assert e2e.parse_arm("qerl_inplace:experts")["lora_experts"]
     experts = e2e.RowSpec("7b", **e2e.parse_arm("qerl:experts"), prompts=2, generations=8, completion_len=512,
                           sleep=False)  # fmt: skip
@@ -191,7 +195,7 @@ def test_arms_take_a_micro_batch_and_no_gradient_checkpointing():
     assert e2e.RowSpec("7b", **e2e.parse_arm("qerl_single_lora:fis:ahead"), prompts=2, generations=8,
                        completion_len=512, sleep=False).arm_options == "qerl_single_lora:fis:ahead"  # fmt: skip
     for bad in ("trl", "qerl:mb0", "qerl:fast", "trl_bf16:fis", "trl_bf16:ahead", "qerl:ahead",
-                "qerl_single_lora:experts"):
+                "qerl_single_lora:experts", "qerl:expand", "trl_bf16:expand"):
         with pytest.raises(ValueError, match="unknown arm"):
             e2e.parse_arm(bad)
     arms = ["trl_bf16", "trl_bf16:mb16", "qerl_single_lora:mb16:nogc", "qerl_single_lora:mb16:fis"]

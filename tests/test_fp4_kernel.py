@@ -137,7 +137,7 @@ def test_humming_compile_ahead_reaches_the_engine_spec_only_on_humming_in_layer_
 
     asked = []
     monkeypatch.setattr(in_layer_lora, "single_lora_engine_kwargs",
-                        lambda ckpt, model, kernel, humming_ahead=False: asked.append((kernel, humming_ahead)))
+                        lambda ckpt, model, kernel, humming_ahead=False, **kw: asked.append((kernel, humming_ahead)))
     for kernel, on, want in [("humming", True, True), ("marlin", True, False), ("humming", False, False)]:
         spec = VLLMServingSpec(checkpoint=str(tmp_path), tokenizer=str(tmp_path), max_lora_rank=8, fp4_kernel=kernel,
                                humming_ahead=on)  # fmt: skip

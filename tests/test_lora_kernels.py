@@ -310,3 +310,28 @@ def test_narrow_layers_at_few_rows_take_the_split_pair_and_the_rest_the_serial_o
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
         assert not bounds[3:].any()
     assert used == ["split", "serial", "serial"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 5, 70, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shrink_concat_writes_x_then_its_shrink(m, dtype):
+    """``[x | x A^T]`` for the expand-in-GEMM layers: the copy of ``x`` exact, the shrink as the serial pair's (the
+    kernel up to KERNEL_MAX_ROWS rows, a GEMM above), semaphores left at zero."""
+    from qerl_trl.vllm_plugin.lora_kernels import lora_shrink_concat
+
+    slot_rows, k, rank = [96, 32, 32], 200, 8
+    a, _, bounds, partials = layer(slot_rows, k, rank, dtype)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(m, k + 8, generator=g).to(DEVICE, dtype)[:, :k]  # a strided view, as vLLM's q/k/v split gives
+    got = lora_shrink_concat(x, a, bounds, partials, len(slot_rows))
+    assert got.shape == (m, k + a.shape[0]) and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got[:, :k], x)
+    want = (x.double() @ a.double().t()).to(dtype).double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (got[:, k:].double() - want).abs().max().item() / (want.abs().max().item() + 1e-9)
+    assert err < tol, err
+    assert not bounds[len(slot_rows) + 1 :].any()
+    if m <= KERNEL_MAX_ROWS:  # the same shrink, bit for bit, as the serial pair's
+        shrunk = lora_shrink(x, a, bounds, partials, rank, lora_kernels.SERIAL_MIN_COLS)
+        assert torch.equal(got[:, k:], shrunk)

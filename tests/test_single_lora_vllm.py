@@ -101,11 +101,13 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             return PlainMethod()
 
     fp4_kernel = "marlin"
+    expand = mode.endswith("+expand")  # vllm_lora_expand_in_gemm: B inside Humming's GEMM (TP 1)
+    mode = mode.removesuffix("+expand")
     if mode.endswith("+humming"):  # Humming where the shape fits (o, gate_up, down), Marlin for qkv (k/v: 64 rows)
         fp4_kernel = "humming"
         mode = mode.removesuffix("+humming")
         if device == "cpu":
-            _stand_in_humming()
+            _stand_in_humming(expand=expand)
     dtype = torch.float32 if mode == "plain" else torch.bfloat16
     torch.set_default_dtype(dtype)
     torch.set_float32_matmul_precision("highest")  # plain mode compares fp32 to 1e-5: no TF32 on a GPU
@@ -117,8 +119,9 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
         if device == "cuda":
             torch.cuda.set_device(tp_rank)
 
-        def serve(ahead: bool):
-            """Build the four layers (with ``ahead``: Humming's kernels compiled ahead), load, push, compare."""
+        def serve(ahead: bool, expand: bool = False):
+            """Build the four layers (with ``ahead``: Humming's kernels compiled ahead; ``expand``: the LoRA's B
+            inside Humming's GEMM), load, push, compare."""
             torch.set_default_device(device)
             if mode == "plain":
                 q = LoRAOnPlain()
@@ -131,8 +134,8 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
                     _dequantizing_nvfp4_kernel()
                 ct = {"quantization_config": compressed_tensors_config([])}
                 q = QeRLNVFP4LoRAConfig.from_config(
-                    lora_quantization_overrides(ct, RANK, targets, fp4_kernel,
-                                                humming_ahead=ahead)["quantization_config"])  # fmt: skip
+                    lora_quantization_overrides(ct, RANK, targets, fp4_kernel, humming_ahead=ahead,
+                                                expand_in_gemm=expand)["quantization_config"])  # fmt: skip
                 q.packed_modules_mapping = packed
             qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=q,
                                     prefix=f"{PREFIX}.self_attn.qkv_proj")  # fmt: skip
@@ -143,6 +146,10 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             torch.set_default_device("cpu")
 
             full = _full_weights()
+            if expand:  # B well inside its base weight's range, as in training (else its NVFP4 clips); A larger, so
+                for name in ALL:  # the LoRA still moves the outputs by 10% of their largest entry (a check that bites)
+                    full[name + ".A"] = full[name + ".A"] * 16
+                    full[name + ".B"] = full[name + ".B"] / 64
             if mode == "plain":
                 for shard, name in zip("qkv", ["q_proj", "k_proj", "v_proj"]):
                     qkv.weight.weight_loader(qkv.weight, full[name], shard)
@@ -182,10 +189,13 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             xd = torch.randn(5, INTER, generator=torch.Generator().manual_seed(3)).to(dtype).float()
             dev = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
 
+            tail_b = _expand_tail_b(qkv, o, gate_up, down) if expand else {}
+
             def ref(name, inp):
                 y = inp @ full[name].T
-                if name in targets:
-                    y = y + SCALING * (inp @ full[name + ".A"].T) @ full[name + ".B"].T
+                if name in targets:  # with expand: B as the Humming layers hold it, NVFP4 against each row's scale
+                    b = tail_b.get(name, SCALING * full[name + ".B"])
+                    y = y + (inp @ full[name + ".A"].T) @ b.T
                 return y
 
             def rel(got, want):  # max error relative to the largest reference entry
@@ -216,6 +226,10 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             lora_moves = float((qkv(dev(x))[0].float().cpu()[:, :local_q] - bare_q).abs().max())
             return errs, filled, lora_moves
 
+        if expand:
+            errs, filled, lora_moves = serve(False, expand=True)
+            results.put((tp_rank, {k: float(v) for k, v in errs.items()}, filled, lora_moves))
+            return
         errs, filled, lora_moves = serve(False)
         if fp4_kernel == "humming":  # the same layers again with vllm_humming_compile_ahead, in this process
             if device == "cpu":
@@ -225,6 +239,29 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             errs.update({f"{k}+ahead": v for k, v in more.items()})
             lora_moves = min(lora_moves, moves_ahead)
     results.put((tp_rank, {k: float(v) for k, v in errs.items()}, filled, lora_moves))
+
+
+def _expand_tail_b(qkv, o, gate_up, down) -> dict[str, torch.Tensor]:
+    """Each LoRA'd module's B (scaling folded in) as the expand-in-GEMM layers hold it: their ``qerl_lora_b``
+    quantized against each row's second scale and dequantized (TP 1). qkv is on Marlin: the two-launch pair."""
+    from qerl_trl.nvfp4.format import e2m1_lut, quantize_rows, unpack_fp4
+    from qerl_trl.vllm_plugin.humming_tail import tail_width
+
+    assert not qkv.qerl_expand_in_gemm and "not Humming" in qkv.qerl_expand_in_gemm_why
+    out = {}
+    for layer, names in ((o, ["o_proj"]), (gate_up, ["gate_proj", "up_proj"]), (down, ["down_proj"])):
+        assert layer.qerl_expand_in_gemm, layer.qerl_expand_in_gemm_why
+        b = layer.qerl_lora_b.float()
+        b = torch.nn.functional.pad(b, (0, tail_width(b.shape[1]) - b.shape[1]))
+        packed, scales, saturated = quantize_rows(b, layer.qerl_tail_row_scale)
+        assert not bool(saturated)
+        n, k = b.shape
+        vals = e2m1_lut(b.device)[unpack_fp4(packed).long()].reshape(n, k // 16, 16)
+        bq = (vals * scales.float().unsqueeze(-1) * layer.qerl_tail_row_scale.reshape(n, 1, 1)).reshape(n, k).cpu()
+        for j, slot in enumerate(layer.qerl_lora_plan.slots):
+            rows = slice(slot.out_start, slot.out_start + slot.out_rows)
+            out[names[j]] = bq[rows, j * RANK : (j + 1) * RANK]
+    return out
 
 
 def _check_humming_ahead(config, humming_layers: dict, marlin_layer) -> None:
@@ -290,14 +327,22 @@ def _dequantizing_nvfp4_kernel() -> None:
     ct.init_nvfp4_linear_kernel = lambda use_a16=False: DequantKernel()
 
 
-def _stand_in_humming(ahead: bool = False) -> None:
+def _stand_in_humming(ahead: bool = False, expand: bool = False) -> None:
     """On CPU (no Humming kernels): the compressed-tensors scheme's own weights and dequantizing forward, under the
     class name of vLLM's Humming method, so the per-shape dispatch, its weight loader and the LoRA on top run.
     ``ahead``: Humming's layer config, tuning table, compile and forward stand-ins for :mod:`.humming_ahead` (a
-    table reaching 8192 rows; the forward checks that it gets the layer's cut table)."""
+    table reaching 8192 rows; the forward checks that it gets the layer's cut table). ``expand``: the processed
+    weight and scales held with K along the rows, as Humming's transform holds them, a layer meta with its (widened)
+    width, and ``humming.transform`` doing that transform, so :mod:`.humming_tail` writes B's tail as on a GPU."""
+    import dataclasses
     import json
+    import sys
+    import types
 
+    from torch import nn
     from vllm.model_executor.layers.linear import LinearMethodBase
+
+    from qerl_trl.nvfp4.format import dequantize
 
     from qerl_trl.vllm_plugin import humming_ahead
     from qerl_trl.vllm_plugin.single_lora import QeRLNVFP4LoRAConfig
@@ -333,10 +378,36 @@ def _stand_in_humming(ahead: bool = False) -> None:
         def process_weights_after_loading(self, layer):
             self.scheme.process_weights_after_loading(layer)
             self.compute_config = '{"gemm_type": "dense"}'
-            layer.humming_metas = {"": Meta([layer.output_size_per_partition, layer.input_size_per_partition])}
+            if not expand:
+                layer.humming_metas = {"": Meta([layer.output_size_per_partition, layer.input_size_per_partition])}
+                return
+            layer.humming_metas = {"": RowsMeta(shape_k=layer.input_size_per_partition)}
+            for name in ("weight", "weight_scale"):
+                setattr(layer, name, nn.Parameter(getattr(layer, name).data.t().contiguous(), requires_grad=False))
 
         def apply(self, layer, x, bias=None):
-            return self.scheme.apply_weights(layer, x, bias=bias)
+            if not expand:
+                return self.scheme.apply_weights(layer, x, bias=bias)
+            w = dequantize(layer.weight.data.t().contiguous(), layer.weight_scale.data.t().contiguous(),
+                           1.0 / layer.weight_global_scale.reshape(1), torch.float32)  # fmt: skip
+            y = (x.float() @ w.T).to(x.dtype)
+            return y if bias is None else y + bias
+
+    @dataclasses.dataclass
+    class RowsMeta:
+        shape_k: int
+        pad_shape_k: int = 0
+
+    def transform_humming_tensors(meta, tensors):
+        assert tensors["weight"].shape[1] * 8 == meta.shape_k - meta.pad_shape_k  # int32: 8 codes each
+        return {"weight": tensors["weight"].view(torch.uint8).t().contiguous(),
+                "weight_scale": tensors["weight_scale"].t().contiguous()}  # fmt: skip
+
+    if expand:
+        transform = types.ModuleType("humming.transform")
+        transform.transform_humming_tensors = transform_humming_tensors
+        sys.modules.setdefault("humming", types.ModuleType("humming")).transform = transform
+        sys.modules["humming.transform"] = transform
 
     QeRLNVFP4LoRAConfig.humming_method = lambda self, layer, prefix: HummingLinearMethod(layer.scheme)
     if ahead:
@@ -380,18 +451,21 @@ def test_untargeted_linears_keep_the_plain_method_and_partly_targeted_packs_get_
     assert max(errs.values()) < 1e-5, errs
 
 
-@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (2, "nvfp4"), (1, "nvfp4+humming")])
+@pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (2, "nvfp4"), (1, "nvfp4+humming"),
+                                          (1, "nvfp4+humming+expand")])  # fmt: skip
 def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size, mode):
     """QeRLNVFP4LoRAConfig on vLLM's compressed-tensors NVFP4A16 scheme (Marlin on a GPU; on CPU a dequantizing
     stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference, through the LoRA
     kernel pair (on a GPU, the shrink on its side stream). ``+humming``:
     ``fp4_kernel="humming"``, Humming's real kernels on a GPU (a stand-in on CPU) on every layer but qkv, whose
     64-row k/v shards Humming cannot take (Marlin); then the same with ``humming_ahead`` (Humming's kernels compiled
-    ahead, on the engine's table), in the same process."""
+    ahead, on the engine's table), in the same process. ``+expand``: ``vllm_lora_expand_in_gemm``, B inside
+    Humming's GEMM as NVFP4 input columns on o, gate_up and down (qkv, on Marlin, keeps the pair); the reference
+    takes B as those layers quantize it."""
     for tp_rank, errs, filled, moves in _run(tp_size, ALL, mode=mode):
         assert filled == 4, (tp_rank, filled)
         assert max(errs.values()) < 2e-2, (tp_rank, errs)  # bf16 activations, LoRA buffers and outputs
-        assert moves > 0.5, moves
+        assert moves > (0.5 / 4 if mode.endswith("+expand") else 0.5), moves  # +expand: A * 16, B / 64
 
 
 def test_vllm_resolves_the_quantization_method_and_its_lora_spec(tmp_path):

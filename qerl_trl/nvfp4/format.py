@@ -192,6 +192,29 @@ def quantize(
     return NVFP4Weight(pack_fp4(codes), scale.to(torch.float8_e4m3fn), global_scale.clone())
 
 
+def quantize_rows(weight: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 of ``weight [out, in]`` against a given second scale per row: ``(packed uint8 [out, in/2], block scales
+    float8_e4m3fn [out, in/16], saturated)``, whose dequantization is ``e2m1(code) * scale * row_scale[row]``.
+
+    Why: the expand-in-GEMM path appends the LoRA's B to a linear's NVFP4 weight as extra input columns, and those
+    must share the second scale Humming already holds for each row (``1 / weight_global_scale`` of the row's shard),
+    so only the block scales are free. Round to nearest as :func:`quantize`, in float32 throughout (nothing here has
+    to match a checkpoint's bytes). ``saturated`` (bool, 0-dim, on the device, no host sync): some block needed a
+    scale above FP8's 448, so its values were clipped: B outgrew the base weight's range."""
+    out_f, in_f = weight.shape
+    if in_f % BLOCK_SIZE:
+        raise ValueError(f"quantize_rows needs in_features divisible by {BLOCK_SIZE}, got {tuple(weight.shape)}")
+    rs = row_scale.to(device=weight.device, dtype=torch.float32).reshape(out_f, 1)
+    blocks = weight.detach().to(torch.float32).reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
+    want = blocks.abs().amax(dim=-1) / FP4_E2M1_MAX / rs
+    saturated = (want > FP8_E4M3_MAX).any()
+    scale = torch.clamp(want, 0, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    scale = torch.where(scale == 0, torch.full_like(scale, FP8_SCALE_EPS), scale)
+    scaled = torch.clamp(blocks / (scale * rs).unsqueeze(-1), -FP4_E2M1_MAX, FP4_E2M1_MAX)
+    codes = round_to_e2m1(scaled).reshape(out_f, in_f)
+    return pack_fp4(codes), scale.to(torch.float8_e4m3fn), saturated
+
+
 def dequantize(
     weight_packed: torch.Tensor,
     weight_scale: torch.Tensor,

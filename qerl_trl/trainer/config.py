@@ -85,6 +85,13 @@ class QeRLGRPOConfig(GRPOConfig):
             cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is unchanged. Off by default:
             this table has not run on a GPU (issue #55 item 4; the first form, which only cut the table at the token
             budget, ran and compiled as many kernels as without it).
+        vllm_lora_expand_in_gemm (`bool`, defaults to `False`):
+            With `vllm_lora_backend="qerl"` on Humming, in colocate mode: the LoRA's B becomes extra input columns of
+            each linear's NVFP4 weight, so one Humming GEMM adds the base and the LoRA (`[x | x Aᵀ] @ [W | B]ᵀ`) and
+            each linear runs one LoRA launch instead of two. B then runs in NVFP4 in the rollouts (quantized at each
+            sync against the layer's own second scale), which widens the trainer-vs-vLLM log-prob gap that TRL's
+            importance-sampling correction absorbs. Layers on Marlin, or whose input width or `S·r` does not fit
+            (`docs/vllm.md`), keep the two-launch pair. Off by default: not yet run on a GPU (issue #55).
         vllm_max_lora_rank (`int`, *optional*):
             With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts
             (1, 8, 16, 32, 64, 128, 256, 320, 512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is
@@ -216,6 +223,11 @@ class QeRLGRPOConfig(GRPOConfig):
                   "batches, one a doubling of the rows above), in the background from the weight load (a faster cold "
                   "start)."},
     )
+    vllm_lora_expand_in_gemm: bool = field(
+        default=False,
+        metadata={"help": 'vllm_lora_backend="qerl" on Humming, colocate mode: the LoRA\'s B inside each linear\'s '
+                  "NVFP4 GEMM as extra input columns (one LoRA launch a linear instead of two; B in NVFP4)."},
+    )
     vllm_lora_sync_in_place: bool = field(
         default=True,
         metadata={"help": 'vllm_lora_backend="vllm": after the first round, update the loaded adapter on the GPU '
@@ -302,6 +314,15 @@ class QeRLGRPOConfig(GRPOConfig):
                 "vllm_humming_compile_ahead=True works in QeRL's in-layer LoRA method (vllm_lora_backend='qerl'), "
                 "which runs vLLM's Humming method layer by layer; with vllm_lora_backend='vllm' vLLM builds the "
                 "whole model itself. Set vllm_lora_backend='qerl' or leave vllm_humming_compile_ahead off."
+            )
+        if self.vllm_lora_expand_in_gemm and (self.vllm_lora_backend != "qerl" or self.vllm_fp4_kernel == "marlin"
+                                              or (self.use_vllm and self.vllm_mode != "colocate")):
+            raise ValueError(
+                "vllm_lora_expand_in_gemm=True puts the LoRA's B inside Humming's GEMM, in QeRL's in-layer LoRA "
+                f"method of a colocated engine; got vllm_lora_backend={self.vllm_lora_backend!r}, "
+                f"vllm_fp4_kernel={self.vllm_fp4_kernel!r}, vllm_mode={self.vllm_mode!r}. Use "
+                "vllm_lora_backend='qerl', vllm_fp4_kernel='auto' or 'humming' and vllm_mode='colocate', or leave "
+                "vllm_lora_expand_in_gemm off."
             )
         if self.vllm_max_lora_rank is not None and (not _is_int(self.vllm_max_lora_rank) or self.vllm_max_lora_rank < 1):
             raise ValueError(

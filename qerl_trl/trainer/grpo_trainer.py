@@ -155,6 +155,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 lora_backend=args.vllm_lora_backend,
                 fp4_kernel=kernel,
                 humming_ahead=args.vllm_humming_compile_ahead,
+                expand_in_gemm=args.vllm_lora_expand_in_gemm,
                 return_routed_experts=args.vllm_return_routed_experts,
             )
             cls = make_qerl_vllm_generation_class()

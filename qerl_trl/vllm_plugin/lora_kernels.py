@@ -47,6 +47,7 @@ __all__ = [
     "lora_expand_",
     "lora_partials",
     "lora_shrink",
+    "lora_shrink_concat",
     "lora_slot_bounds",
 ]
 
@@ -72,12 +73,15 @@ PARTIAL_ROWS = 512
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm, stride_am, SPLITS,
+def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm, stride_am, stride_sm, SPLITS,
                         K_CHUNK: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SC: tl.constexpr,
-                        PREC: tl.constexpr, UPCAST: tl.constexpr, SERIAL: tl.constexpr):  # fmt: skip
+                        PREC: tl.constexpr, UPCAST: tl.constexpr, SERIAL: tl.constexpr,
+                        COPY_X: tl.constexpr):  # fmt: skip
     """Partial ``x[:, chunk] @ A[:, chunk]^T`` of one K chunk, one block of rows and one block of LoRA rows, stored
     in ``p``. ``SERIAL``: the last program of each (row, LoRA-row) block to finish (a semaphore) also sums the
-    block's partials in split order into ``s``, rounded to ``s``'s dtype, and resets the semaphore to zero."""
+    block's partials in split order into ``s`` (rows ``stride_sm`` apart), rounded to ``s``'s dtype, and resets the
+    semaphore to zero. ``COPY_X``: ``s`` is the last ``R`` columns of ``[x | s]`` (the expand-in-GEMM input), and
+    the programs of the first LoRA-row block also copy their chunk of ``x`` into its first ``K`` columns."""
     pid_k = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -86,8 +90,12 @@ def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm,
     acc = tl.zeros((BM, BR), dtype=tl.float32)
     for k0 in range(0, K_CHUNK, BK):
         rk = pid_k * K_CHUNK + k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        xmask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0)
         a = tl.load(a_ptr + rr[None, :] * stride_am + rk[:, None], mask=(rr[None, :] < R) & (rk[:, None] < K), other=0.0)
+        if COPY_X:
+            if pid_r == 0:
+                tl.store(s_ptr - K + rm[:, None] * stride_sm + rk[None, :], x, mask=xmask)
         if UPCAST:
             x = x.to(tl.float32)
             a = a.to(tl.float32)
@@ -105,7 +113,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, s_ptr, sem_ptr, M, K, R, stride_xm,
                 offs = (sp[:, None, None] * M + rm[None, :, None]) * R + rr[None, None, :]
                 mask = (sp[:, None, None] < SPLITS) & omask[None, :, :]
                 tot += tl.sum(tl.load(p_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
-            tl.store(s_ptr + rm[:, None] * R + rr[None, :], tot.to(s_ptr.dtype.element_ty), mask=omask)
+            tl.store(s_ptr + rm[:, None] * stride_sm + rr[None, :], tot.to(s_ptr.dtype.element_ty), mask=omask)
             tl.atomic_xchg(sem, 0)
 
 
@@ -224,7 +232,8 @@ def _splits(m: int, k: int, bm: int, m_blocks: int) -> tuple[int, int]:
 
 
 def _launch_shrink(x2: torch.Tensor, a: torch.Tensor, semaphores: torch.Tensor, partials: torch.Tensor,
-                   shrunk: torch.Tensor, serial: bool) -> None:  # fmt: skip
+                   shrunk: torch.Tensor, serial: bool, copy_x: bool = False) -> None:  # fmt: skip
+    """``copy_x``: ``shrunk`` is the last ``S*r`` columns of the ``[x | x A^T]`` buffer (:func:`lora_shrink_concat`)."""
     m, k, r_total = x2.shape[0], x2.shape[1], a.shape[0]
     prec, upcast = _precision(x2.dtype)
     bm, m_blocks = _row_blocks(m)
@@ -235,9 +244,11 @@ def _launch_shrink(x2: torch.Tensor, a: torch.Tensor, semaphores: torch.Tensor, 
                          "lora_slot_bounds(..., total_rank) and lora_partials(total_rank).")  # fmt: skip
     sc = max(1, min(triton.next_power_of_2(splits), 4096 // (bm * _BR))) if serial else 1  # partials per summing step
     _shrink_launch((splits, r_blocks, m_blocks),
-                   (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), splits),
-                   ("shrink", k_chunk, bm, sc, prec, upcast, serial),
-                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=_BK, SC=sc, PREC=prec, UPCAST=upcast, SERIAL=serial))  # fmt: skip
+                   (x2, a, partials, shrunk, semaphores, m, k, r_total, x2.stride(0), a.stride(0), shrunk.stride(0),
+                    splits),
+                   ("shrink", k_chunk, bm, sc, prec, upcast, serial, copy_x),
+                   dict(K_CHUNK=k_chunk, BM=bm, BR=_BR, BK=_BK, SC=sc, PREC=prec, UPCAST=upcast, SERIAL=serial,
+                        COPY_X=copy_x))  # fmt: skip
 
 
 @torch.library.custom_op("qerl_trl::lora_shrink", mutates_args=())
@@ -263,6 +274,33 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor, partials
 @lora_shrink.register_fake
 def _(x, a, bounds, partials, rank, out_features):
     return x.new_empty((x.numel() // x.shape[-1], a.shape[0]))
+
+
+@torch.library.custom_op("qerl_trl::lora_shrink_concat", mutates_args=())
+def lora_shrink_concat(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor, partials: torch.Tensor,
+                       slots: int) -> torch.Tensor:  # fmt: skip
+    """``[x | x A^T]`` ``[rows, K + R]`` in ``x``'s dtype, ``R`` = ``a``'s rows: the input of a layer whose FP4 GEMM
+    holds the LoRA's ``B`` as ``R`` extra input columns (``vllm_lora_expand_in_gemm``), so that one GEMM adds the base
+    and the LoRA delta and no expand runs. One launch up to :data:`KERNEL_MAX_ROWS` rows (the serial shrink, which
+    also copies ``x``), else a GEMM and a copy. ``a``: the ``slots`` packed sub-modules' A stacked, maybe with zero
+    rows after them (``R`` rounded up to an NVFP4 block); ``bounds`` (``slots + 1`` starts, then the semaphores) and
+    ``partials``: the layer's scratch for ``R`` rows (:func:`lora_slot_bounds`, :func:`lora_partials`)."""
+    _check_row_major(a)
+    x2 = x.reshape(-1, x.shape[-1])
+    k, r_total = x2.shape[1], a.shape[0]
+    out = torch.empty((x2.shape[0], k + r_total), device=x.device, dtype=x.dtype)
+    if not _use_kernel(x2):
+        out[:, :k] = x2
+        out[:, k:] = torch.matmul(x2, a.t())
+        return out
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    _launch_shrink(x2, a, bounds[slots + 1 :], partials, out[:, k:], True, copy_x=True)
+    return out
+
+
+@lora_shrink_concat.register_fake
+def _(x, a, bounds, partials, slots):
+    return x.new_empty((x.numel() // x.shape[-1], x.shape[-1] + a.shape[0]))
 
 
 @torch.library.custom_op("qerl_trl::lora_expand_", mutates_args=("y",))

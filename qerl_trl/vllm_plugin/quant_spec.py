@@ -20,7 +20,8 @@ LORA_KEY = "qerl_lora"  # its LoRA spec inside the checkpoint's quantization_con
 #: The plugin's files whose code the in-layer LoRA puts into vLLM's compiled graph: the custom ops, the quantization
 #: method that calls them (with its FP4-kernel choice) and the buffers it fills. Checked by a test against what
 #: ``single_lora`` imports from the package, so a new file cannot be left out.
-LORA_OPS_SOURCES = ("fp4_kernel.py", "humming_ahead.py", "lora_kernels.py", "lora_shards.py", "single_lora.py")
+LORA_OPS_SOURCES = ("fp4_kernel.py", "humming_ahead.py", "humming_tail.py", "lora_kernels.py", "lora_shards.py",
+                    "single_lora.py")
 
 
 def lora_ops_digest(sources: Iterable[str] = LORA_OPS_SOURCES, root: Path | None = None) -> str:
@@ -42,12 +43,13 @@ OTHER_BACKEND_HINT = "QeRLGRPOConfig(vllm_lora_backend='vllm') serves it through
 
 def lora_quantization_overrides(
     checkpoint_config: Mapping[str, Any], rank: int, target_modules: Iterable[str], fp4_kernel: str = "marlin",
-    humming_ahead: bool = False,
+    humming_ahead: bool = False, expand_in_gemm: bool = False,
 ) -> dict:
     """``hf_overrides`` for ``LLM(...)``: the checkpoint's ``quantization_config`` plus the LoRA's rank and targets
     (leaf module names such as ``q_proj``) and the FP4 kernel (``"humming"``: Humming on every layer whose shape it
     takes, Marlin on the rest; ``"marlin"``: Marlin everywhere; see :mod:`.fp4_kernel`). ``humming_ahead``: fewer of
-    Humming's kernels, compiled in the background from the weight load (:mod:`.humming_ahead`)."""
+    Humming's kernels, compiled in the background from the weight load (:mod:`.humming_ahead`). ``expand_in_gemm``:
+    the LoRA's B inside Humming's GEMM as extra input columns (:mod:`.humming_tail`)."""
     quant = checkpoint_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
         raise ValueError(
@@ -62,4 +64,6 @@ def lora_quantization_overrides(
     spec = {"rank": int(rank), "target_modules": targets, "fp4_kernel": fp4_kernel, "ops": LORA_OPS_VERSION}
     if humming_ahead:  # a new compile-cache key: the forward passes Humming the engine's table
         spec["humming_ahead"] = True
+    if expand_in_gemm:  # a new compile-cache key too: other ops, wider Humming layers
+        spec["expand_in_gemm"] = True
     return {"quantization_config": {**quant, LORA_KEY: spec}}

@@ -23,6 +23,7 @@ The engine is asked for it with ``LLM(..., quantization="qerl_nvfp4_lora", hf_ov
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,13 +43,15 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 
 from .fp4_kernel import humming_shape_problem
 from .humming_ahead import HummingAhead, engine_row_budget
+from .humming_tail import expand_in_gemm_problem, lora_tail_meta, tail_width, widen_for_lora_tail, write_lora_tail
 from .quant_spec import LORA_KEY, OTHER_BACKEND_HINT, QUANT_NAME
-from .lora_kernels import lora_expand_, lora_partials, lora_shrink, lora_slot_bounds
+from .lora_kernels import lora_expand_, lora_partials, lora_shrink, lora_shrink_concat, lora_slot_bounds
 from .lora_shards import LoRAShardPlan, column_parallel_plan, fill_lora_buffers, row_parallel_plan
 
 __all__ = [
     "QUANT_NAME",
     "LORA_KEY",
+    "ExpandInGemmLoRALinearMethod",
     "FP4KernelByShape",
     "SingleLoRALinearMethod",
     "fp4_kernels_of",
@@ -196,6 +199,52 @@ class SingleLoRALinearMethod(LinearMethodBase):
         return y
 
 
+class ExpandInGemmLoRALinearMethod(SingleLoRALinearMethod):
+    """:class:`SingleLoRALinearMethod` whose expand runs inside Humming's GEMM (spec ``"expand_in_gemm"``): the
+    layer's NVFP4 weight gets ``S*r`` extra input columns holding ``B`` (:mod:`.humming_tail`), and its input is
+    ``[x | x A^T]`` from one launch (:func:`lora_shrink_concat`). One launch per linear instead of two, and no
+    read-modify-write of the output; ``B`` runs in NVFP4. A layer that cannot take it (Marlin, or a width
+    :func:`expand_in_gemm_problem` refuses) runs the two-launch pair; ``qerl_expand_in_gemm`` says which, and why."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:  # fmt: skip
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               params_dtype, **extra_weight_attrs)  # fmt: skip
+        problem = expand_in_gemm_problem(getattr(layer, "qerl_fp4_kernel", type(self.inner).__name__),
+                                         input_size_per_partition)  # fmt: skip
+        layer.qerl_expand_in_gemm = problem is None
+        layer.qerl_expand_in_gemm_why = problem
+        plan = layer.qerl_lora_plan
+        width = tail_width(plan.total_rank)
+        if problem is None and width != plan.total_rank:  # A's zero rows make the pad columns of [x | x A^T] zero
+            dtype = layer.qerl_lora_a.dtype
+            layer.register_buffer("qerl_lora_a", torch.zeros(width, input_size_per_partition, dtype=dtype),
+                                  persistent=False)  # fmt: skip
+            layer.register_buffer("qerl_lora_bounds", lora_slot_bounds([s.out_start for s in plan.slots],
+                                                                       plan.out_rows, width), persistent=False)
+            layer.register_buffer("qerl_lora_partials", lora_partials(width), persistent=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not layer.qerl_expand_in_gemm:
+            return super().process_weights_after_loading(layer)
+        width = tail_width(layer.qerl_lora_plan.total_rank)
+        in_features = widen_for_lora_tail(layer, width)
+        layer.input_size_per_partition = in_features + width  # what Humming reads
+        try:
+            self.inner.process_weights_after_loading(layer)
+        finally:
+            layer.input_size_per_partition = in_features
+        layer.qerl_tail_meta = lora_tail_meta(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not layer.qerl_expand_in_gemm:
+            return super().apply(layer, x, bias)
+        xs = lora_shrink_concat(x, layer.qerl_lora_a, layer.qerl_lora_bounds, layer.qerl_lora_partials,
+                                len(layer.qerl_lora_plan.slots))  # fmt: skip
+        return self.inner.apply(layer, xs.view(*x.shape[:-1], xs.shape[-1]), bias)
+
+
 @register_quantization_config(QUANT_NAME)
 class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
     """compressed-tensors (NVFP4A16) checkpoints, with :class:`SingleLoRALinearMethod` on the LoRA's linears and,
@@ -205,6 +254,7 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
     lora_targets: frozenset[str]
     fp4_kernel: str = "marlin"
     wants_humming_ahead: bool = False  # spec "humming_ahead" (see .humming_ahead)
+    expand_in_gemm: bool = False  # spec "expand_in_gemm" (see .humming_tail)
     humming_ahead: HummingAhead | None = None  # one per engine, made with its first layer on Humming
     quant_config_dict: dict[str, Any]
 
@@ -229,6 +279,7 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
         self.lora_targets = frozenset(spec["target_modules"])
         self.fp4_kernel = kernel
         self.wants_humming_ahead = bool(spec.get("humming_ahead", False))
+        self.expand_in_gemm = bool(spec.get("expand_in_gemm", False))
         self.quant_config_dict = config  # Humming reads the checkpoint's compressed-tensors config itself
         return self
 
@@ -268,7 +319,8 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
                                           self.humming_ahead if self.wants_humming_ahead else None)  # fmt: skip
             names = self.lora_names(prefix)
             if names:
-                return SingleLoRALinearMethod(method, names, self.lora_rank)
+                cls = ExpandInGemmLoRALinearMethod if self.expand_in_gemm else SingleLoRALinearMethod
+                return cls(method, names, self.lora_rank)
         return method
 
 
@@ -306,6 +358,7 @@ def push_lora_in_place(model: nn.Module, adapters: Mapping[str, tuple[torch.Tens
     ``adapters`` get zeros (``{}`` serves the bare base). Returns the number of single-LoRA layers written."""
     used: set[str] = set()
     layers = 0
+    saturated = []
     for prefix, module in model.named_modules():
         plan = getattr(module, "qerl_lora_plan", None)
         if plan is None:
@@ -314,9 +367,15 @@ def push_lora_in_place(model: nn.Module, adapters: Mapping[str, tuple[torch.Tens
         mine = {s.name: adapters[f"{parent}.{s.name}"] for s in plan.slots if f"{parent}.{s.name}" in adapters}
         device = module.qerl_lora_a.device
         mine = {k: (a.to(device, non_blocking=True), b.to(device, non_blocking=True)) for k, (a, b) in mine.items()}
-        fill_lora_buffers(plan, module.qerl_lora_a, module.qerl_lora_b, mine, scaling)
+        # the first S*r rows of A: an expand-in-GEMM layer's A has zero rows after them (tail_width)
+        fill_lora_buffers(plan, module.qerl_lora_a[: plan.total_rank], module.qerl_lora_b, mine, scaling)
+        if getattr(module, "qerl_expand_in_gemm", False):
+            saturated.append(write_lora_tail(module))
         used.update(f"{parent}.{n}" for n in mine)
         layers += 1
+    if saturated and bool(torch.stack(saturated).any()):  # one host sync a push
+        warnings.warn("vllm_lora_expand_in_gemm: some of the LoRA's B outgrew the NVFP4 range of its layer's base "
+                      "weight and was clipped in vLLM; set vllm_lora_expand_in_gemm=False.", stacklevel=2)  # fmt: skip
     missing = sorted(set(adapters) - used)
     if missing:
         raise KeyError(

@@ -22,10 +22,10 @@ __all__ = ["InLayerLoRABackend", "single_lora_engine_kwargs"]
 
 
 def single_lora_engine_kwargs(checkpoint: str, model: nn.Module, fp4_kernel: str = "marlin",
-                              humming_ahead: bool = False) -> dict[str, Any]:  # fmt: skip
+                              humming_ahead: bool = False, expand_in_gemm: bool = False) -> dict[str, Any]:  # fmt: skip
     """``LLM(...)`` arguments for lora_backend="qerl": our quantization method (registered here too, in case vLLM's
-    plugin entry point is not installed), told the LoRA's rank, target modules, FP4 kernel and whether Humming
-    compiles ahead through ``hf_overrides``."""
+    plugin entry point is not installed), told the LoRA's rank, target modules, FP4 kernel, whether Humming
+    compiles ahead and whether the LoRA's expand runs inside Humming's GEMM, through ``hf_overrides``."""
     from ...vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
 
     register(strict=True)
@@ -33,7 +33,8 @@ def single_lora_engine_kwargs(checkpoint: str, model: nn.Module, fp4_kernel: str
     targets = lora_target_leaves(model)
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    overrides = lora_quantization_overrides(config, rank, targets, fp4_kernel, humming_ahead=humming_ahead)
+    overrides = lora_quantization_overrides(config, rank, targets, fp4_kernel, humming_ahead=humming_ahead,
+                                            expand_in_gemm=expand_in_gemm)  # fmt: skip
     return {"quantization": QUANT_NAME, "hf_overrides": overrides}
 
 
@@ -43,8 +44,10 @@ class InLayerLoRABackend(VLLMLoRABackend):
     uses_lora_request = False
 
     def engine_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        humming = self.spec.fp4_kernel == "humming"
         return single_lora_engine_kwargs(self.spec.checkpoint, model, self.spec.fp4_kernel,
-                                         humming_ahead=self.spec.humming_ahead and self.spec.fp4_kernel == "humming")
+                                         humming_ahead=self.spec.humming_ahead and humming,
+                                         expand_in_gemm=self.spec.expand_in_gemm and humming)  # fmt: skip
 
     def sync(self, model: nn.Module, gather_params: GatherParams) -> None:
         with gather_params(self.lora_parameters(model)):  # copied into the engine's layers while gathered

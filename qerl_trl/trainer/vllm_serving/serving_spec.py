@@ -21,4 +21,5 @@ class VLLMServingSpec:
     lora_backend: str = "qerl"  # "qerl": the LoRA inside our quantization method; "vllm": vLLM's LoRA adapters
     fp4_kernel: str = "marlin"  # resolved from QeRLGRPOConfig.vllm_fp4_kernel: "humming" or "marlin"
     humming_ahead: bool = False  # "qerl" backend on Humming: fewer kernels, compiled ahead
+    expand_in_gemm: bool = False  # "qerl" backend on Humming: the LoRA's B inside the FP4 GEMM
     return_routed_experts: bool = False  # MoE: vLLM records each token's experts (trainer.moe_routing)
