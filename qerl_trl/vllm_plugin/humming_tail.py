@@ -58,7 +58,7 @@ def _row_second_scales(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     if len(gs) != len(sizes):
         raise ValueError(f"{len(gs)} global scales for {len(sizes)} packed shards: not a compressed-tensors NVFP4 "
                          "layer")
-    dtype = getattr(layer, "param_dtype", layer.qerl_lora_b.dtype)  # vLLM's Humming method sets it
+    dtype = getattr(layer, "param_dtype", None) or layer.qerl_lora_b.dtype  # vLLM's Humming method sets it
     per_row = inv.repeat_interleave(torch.tensor(sizes, device=gs.device)).to(dtype)
     return per_row.to(torch.float32), per_row
 
