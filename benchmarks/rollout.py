@@ -15,6 +15,8 @@ Arms, each one vLLM engine in its own process (random weights; ``ignore_eos`` so
   adapter on every linear, served by vLLM's multi-LoRA path as QeRL serves it today (``LoRARequest``);
 * ``nvfp4_qerl_lora``: the same checkpoint and adapter on QeRL's single-LoRA vLLM method (``qerl_nvfp4_lora``,
   ``QeRLGRPOConfig(vllm_lora_backend="qerl")``): the LoRA built into each linear, pushed in place;
+* ``nvfp4_qerl_lora_expand``: ``nvfp4_qerl_lora`` with the LoRA's B inside Humming's GEMM
+  (``vllm_lora_expand_in_gemm``; ``@humming`` only);
 * ``nvfp4``: the NVFP4A16 checkpoint without LoRA: the ceiling for any FP4 + LoRA path.
 
 ``--sizes 30b-a3b`` (Qwen3-30B-A3B, issue #54) runs ``bf16_merged`` (vLLM's dummy loader: 61 GB of BF16) and
@@ -55,8 +57,9 @@ from collections.abc import Callable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-ARMS = ("bf16_merged", "nvfp4_vllm_lora", "nvfp4_qerl_lora", "nvfp4")
-LORA_ARMS = ("nvfp4_vllm_lora", "nvfp4_qerl_lora")
+ARMS = ("bf16_merged", "nvfp4_vllm_lora", "nvfp4_qerl_lora", "nvfp4_qerl_lora_expand", "nvfp4")
+LORA_ARMS = ("nvfp4_vllm_lora", "nvfp4_qerl_lora", "nvfp4_qerl_lora_expand")
+QERL_LORA_ARMS = ("nvfp4_qerl_lora", "nvfp4_qerl_lora_expand")  # QeRL's single-LoRA method, the LoRA pushed in place
 FP4_KERNELS = ("marlin", "humming")
 #: ``--arms`` default: issue #38's set, every FP4 arm with the LoRA on Humming
 DEFAULT_ARMS = ("bf16_merged", "nvfp4@marlin", "nvfp4@humming", "nvfp4_vllm_lora@humming", "nvfp4_qerl_lora@humming")
@@ -98,6 +101,8 @@ def parse_arm(text: str) -> tuple[str, str | None]:
     kernel = kernel or "marlin"
     if kernel not in FP4_KERNELS:
         raise ValueError(f"unknown FP4 kernel {kernel!r} in {text!r}: one of {FP4_KERNELS}")
+    if arm == "nvfp4_qerl_lora_expand" and kernel != "humming":
+        raise ValueError(f"{text!r}: the expand runs inside Humming's GEMM; name it nvfp4_qerl_lora_expand@humming")
     return arm, kernel
 
 
@@ -158,9 +163,9 @@ def write_random_adapter(path: str, config, r: int, seed: int = 0) -> str:
     return path
 
 
-def qerl_lora_engine_kwargs(checkpoint: str, r: int, kernel: str = "marlin") -> dict:
+def qerl_lora_engine_kwargs(checkpoint: str, r: int, kernel: str = "marlin", expand_in_gemm: bool = False) -> dict:
     """``LLM(...)`` arguments of the ``nvfp4_qerl_lora`` arm: QeRL's method with a rank-``r`` LoRA on every
-    :func:`lora_targets` linear, its base GEMM on ``kernel``."""
+    :func:`lora_targets` linear, its base GEMM on ``kernel`` (``expand_in_gemm``: the ``_expand`` arm)."""
     from qerl_trl.vllm_plugin import QUANT_NAME, lora_quantization_overrides, register
 
     from qerl_trl.trainer.vllm_serving import compile_cache_marker
@@ -168,7 +173,7 @@ def qerl_lora_engine_kwargs(checkpoint: str, r: int, kernel: str = "marlin") -> 
     register(strict=True)
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    overrides = lora_quantization_overrides(config, r, lora_targets(config), kernel)
+    overrides = lora_quantization_overrides(config, r, lora_targets(config), kernel, expand_in_gemm=expand_in_gemm)
     # vLLM's compile cache ignores hf_overrides: the marker keeps another rank from loading these kernels
     return {"quantization": QUANT_NAME, "hf_overrides": overrides, "additional_config": compile_cache_marker([], overrides)}
 
@@ -244,8 +249,9 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
         lora = spec.arm == "nvfp4_vllm_lora"
         t0 = time.perf_counter()
         lora_kwargs = dict(enable_lora=True, max_lora_rank=spec.lora_r, max_loras=1) if lora else {}
-        if spec.arm == "nvfp4_qerl_lora":
-            lora_kwargs = qerl_lora_engine_kwargs(model, spec.lora_r, spec.kernel)
+        if spec.arm in QERL_LORA_ARMS:
+            lora_kwargs = qerl_lora_engine_kwargs(model, spec.lora_r, spec.kernel,
+                                                  expand_in_gemm=spec.arm == "nvfp4_qerl_lora_expand")  # fmt: skip
         elif spec.kernel == "humming":
             lora_kwargs["quantization"] = "humming"
         source_kwargs.setdefault("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
@@ -275,7 +281,7 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
             adapter = write_random_adapter(os.path.join(work, f"adapter-{spec.size}-r{spec.lora_r}"),
                                            AutoConfig.from_pretrained(model), spec.lora_r)  # fmt: skip
             request = LoRARequest(lora_name="bench", lora_int_id=1, lora_path=adapter)
-        if spec.arm == "nvfp4_qerl_lora":
+        if spec.arm in QERL_LORA_ARMS:
             from qerl_trl.vllm_plugin.single_lora import push_lora_in_place
 
             adapters = {k: (a.to(torch.bfloat16), b.to(torch.bfloat16))

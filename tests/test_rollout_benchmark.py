@@ -194,7 +194,8 @@ def test_arms_name_their_fp4_kernel_and_the_lora_overhead_is_against_the_same_ke
 
     assert rollout.parse_arm("nvfp4_qerl_lora@humming") == ("nvfp4_qerl_lora", "humming")
     assert rollout.parse_arm("nvfp4") == ("nvfp4", "marlin") and rollout.parse_arm("bf16_merged") == ("bf16_merged", None)
-    for bad in ("nvfp4@cutlass", "bf16_merged@humming", "fp8"):
+    assert rollout.parse_arm("nvfp4_qerl_lora_expand@humming") == ("nvfp4_qerl_lora_expand", "humming")
+    for bad in ("nvfp4@cutlass", "bf16_merged@humming", "fp8", "nvfp4_qerl_lora_expand", "nvfp4_qerl_lora_expand@marlin"):
         with pytest.raises(ValueError):
             rollout.parse_arm(bad)
     rows = [dict(size="7b", arm="bf16_merged", batch=64, tokens_per_s=100.0, status="ok", run="r"),
