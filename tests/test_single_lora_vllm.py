@@ -168,7 +168,8 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
                 from qerl_trl.vllm_plugin.single_lora import fp4_kernels_of
 
                 got = fp4_kernels_of(nn.ModuleDict({"qkv": qkv, "o": o, "gate_up": gate_up, "down": down}))
-                assert got["o"] == got["gate_up"] == got["down"] == "humming", got
+                want = "humming+expand" if expand else "humming"  # the LoRA's expand inside Humming's GEMM
+                assert got["o"] == got["gate_up"] == got["down"] == want, got
                 assert got["qkv"].startswith("marlin: ") and "not a multiple of 128" in got["qkv"], got
                 if ahead:
                     _check_humming_ahead(q, {"o": o, "gate_up": gate_up, "down": down}, qkv)

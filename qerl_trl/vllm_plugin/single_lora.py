@@ -325,7 +325,8 @@ class QeRLNVFP4LoRAConfig(CompressedTensorsConfig):
 
 
 def fp4_kernels_of(model: nn.Module) -> dict[str, str]:
-    """``{linear layer: its FP4 kernel}`` in a vLLM model: ``"humming"``, ``"marlin: ..."`` (the Marlin kernel
+    """``{linear layer: its FP4 kernel}`` in a vLLM model: ``"humming"`` (``"humming+expand"`` where the LoRA's expand
+    runs inside its GEMM: ``vllm_lora_expand_in_gemm``), ``"marlin: ..."`` (the Marlin kernel
     class, or why the layer is not on Humming) or another method's class name; unquantized linears are left out. For
     checks and the trainer's log, on either LoRA backend (vLLM's LoRA wrappers hold the layer as ``base_layer``)."""
     out = {}
@@ -341,7 +342,7 @@ def fp4_kernels_of(model: nn.Module) -> dict[str, str]:
         if kind == "UnquantizedLinearMethod":
             continue
         if kind == "HummingLinearMethod":
-            out[name] = "humming"
+            out[name] = "humming+expand" if getattr(module, "qerl_expand_in_gemm", False) else "humming"
         elif kind == "CompressedTensorsLinearMethod":
             kernel = type(getattr(getattr(module, "scheme", None), "kernel", None)).__name__
             reason = getattr(module, "qerl_fp4_kernel", "")
