@@ -101,7 +101,7 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             return PlainMethod()
 
     fp4_kernel = "marlin"
-    expand = mode.endswith("+expand")  # vllm_lora_expand_in_gemm: B inside Humming's GEMM (TP 1)
+    expand = mode.endswith("+expand")  # vllm_lora_expand_in_gemm: B inside Humming's GEMM
     mode = mode.removesuffix("+expand")
     if mode.endswith("+humming"):  # Humming where the shape fits (o, gate_up, down), Marlin for qkv (k/v: 64 rows)
         fp4_kernel = "humming"
@@ -190,7 +190,7 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             xd = torch.randn(5, INTER, generator=torch.Generator().manual_seed(3)).to(dtype).float()
             dev = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
 
-            tail_b = _expand_tail_b(qkv, o, gate_up, down) if expand else {}
+            tail_b = _expand_tail_b(qkv, o, gate_up, down, full) if expand else {}
 
             def ref(name, inp):
                 y = inp @ full[name].T
@@ -242,9 +242,10 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
     results.put((tp_rank, {k: float(v) for k, v in errs.items()}, filled, lora_moves))
 
 
-def _expand_tail_b(qkv, o, gate_up, down) -> dict[str, torch.Tensor]:
-    """Each LoRA'd module's B (scaling folded in) as the expand-in-GEMM layers hold it: their ``qerl_lora_b``
-    quantized against each row's second scale and dequantized (TP 1). qkv is on Marlin: the two-launch pair."""
+def _expand_tail_b(qkv, o, gate_up, down, full: dict) -> dict[str, torch.Tensor]:
+    """Each LoRA'd module's B (scaling folded in) as this rank's expand-in-GEMM layers hold it: their
+    ``qerl_lora_b`` quantized against each row's second scale and dequantized, at the module's rows that this rank
+    serves (the rest zero: the comparison takes only this rank's rows). qkv is on Marlin: the two-launch pair."""
     from qerl_trl.nvfp4.format import e2m1_lut, quantize_rows, unpack_fp4
     from qerl_trl.vllm_plugin.humming_tail import tail_width
 
@@ -260,8 +261,10 @@ def _expand_tail_b(qkv, o, gate_up, down) -> dict[str, torch.Tensor]:
         vals = e2m1_lut(b.device)[unpack_fp4(packed).long()].reshape(n, k // 16, 16)
         bq = (vals * scales.float().unsqueeze(-1) * layer.qerl_tail_row_scale.reshape(n, 1, 1)).reshape(n, k).cpu()
         for j, slot in enumerate(layer.qerl_lora_plan.slots):
-            rows = slice(slot.out_start, slot.out_start + slot.out_rows)
-            out[names[j]] = bq[rows, j * RANK : (j + 1) * RANK]
+            mine = torch.zeros_like(full[names[j] + ".B"])
+            mine[slot.src_out_start : slot.src_out_start + slot.out_rows] = bq[slot.out_start : slot.out_start
+                                                                              + slot.out_rows, j * RANK : (j + 1) * RANK]
+            out[names[j]] = mine
     return out
 
 
@@ -453,7 +456,7 @@ def test_untargeted_linears_keep_the_plain_method_and_partly_targeted_packs_get_
 
 
 @pytest.mark.parametrize("tp_size,mode", [(1, "nvfp4"), (2, "nvfp4"), (1, "nvfp4+humming"),
-                                          (1, "nvfp4+humming+expand")])  # fmt: skip
+                                          (1, "nvfp4+humming+expand"), (2, "nvfp4+humming+expand")])  # fmt: skip
 def test_the_registered_config_serves_the_lora_on_compressed_tensors_nvfp4a16(tp_size, mode):
     """QeRLNVFP4LoRAConfig on vLLM's compressed-tensors NVFP4A16 scheme (Marlin on a GPU; on CPU a dequantizing
     stand-in for Marlin): FP4 base + LoRA within bf16 rounding of the dequantized reference, through the LoRA
