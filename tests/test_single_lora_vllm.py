@@ -262,8 +262,8 @@ def _expand_tail_b(qkv, o, gate_up, down, full: dict) -> dict[str, torch.Tensor]
         bq = (vals * scales.float().unsqueeze(-1) * layer.qerl_tail_row_scale.reshape(n, 1, 1)).reshape(n, k).cpu()
         for j, slot in enumerate(layer.qerl_lora_plan.slots):
             mine = torch.zeros_like(full[names[j] + ".B"])
-            mine[slot.src_out_start : slot.src_out_start + slot.out_rows] = bq[slot.out_start : slot.out_start
-                                                                              + slot.out_rows, j * RANK : (j + 1) * RANK]
+            held = bq[slot.out_start : slot.out_start + slot.out_rows, j * RANK : (j + 1) * RANK]
+            mine[slot.src_out_start : slot.src_out_start + slot.out_rows] = held
             out[names[j]] = mine
     return out
 
