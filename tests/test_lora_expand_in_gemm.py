@@ -201,3 +201,38 @@ def test_values_on_the_grid_come_back_exactly():
     assert float(scales.float()) == 1.0
     assert torch.equal(unpack_fp4(packed)[0], round_to_e2m1(grid))
     assert torch.equal(_dequant_rows(packed, scales, row_scale)[0], grid * 0.25)
+
+
+def test_the_trainer_says_how_many_linears_took_it_and_warns_when_none_did(tmp_path, caplog):
+    """After the engine starts, the in-layer backend logs which LoRA'd linears run the expand inside Humming's GEMM
+    (a warning when none does: on Marlin the option changes nothing); nothing is asked of an engine without it."""
+    from qerl_trl.trainer.vllm_serving import InLayerLoRABackend, VLLMServingSpec
+
+    class Engine:
+        def __init__(self, layers):
+            self.model, self.calls = nn.Module(), 0
+            for i, why in enumerate(layers):
+                layer = nn.Module()
+                layer.qerl_expand_in_gemm, layer.qerl_expand_in_gemm_why = why is None, why
+                self.model.add_module(f"l{i}", layer)
+
+        def apply_model(self, fn):
+            self.calls += 1
+            return [fn(self.model)]
+
+    def backend(kernel, on=True):
+        return InLayerLoRABackend(VLLMServingSpec(checkpoint=str(tmp_path), tokenizer=str(tmp_path), max_lora_rank=8,
+                                                  fp4_kernel=kernel, expand_in_gemm=on))  # fmt: skip
+
+    with caplog.at_level("INFO"):
+        backend("humming").attach(Engine([None, None, "its FP4 GEMM is 'marlin: x', not Humming"]))
+    assert "2 of 3 LoRA'd linears run the LoRA's expand inside Humming's GEMM" in caplog.text
+    assert "not Humming" in caplog.text and "WARNING" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        backend("humming").attach(Engine(["its input width on this rank (96) is not a multiple of 128"]))
+    assert any(r.levelname == "WARNING" and "0 of 1" in r.message for r in caplog.records)
+    for kernel, on in (("marlin", True), ("humming", False)):
+        engine = Engine([None])
+        backend(kernel, on).attach(engine)
+        assert engine.calls == 0

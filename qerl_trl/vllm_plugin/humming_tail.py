@@ -22,8 +22,8 @@ from torch import nn
 
 from qerl_trl.nvfp4.format import BLOCK_SIZE, quantize_rows
 
-__all__ = ["TAIL_ALIGN", "expand_in_gemm_problem", "lora_tail_meta", "tail_width", "widen_for_lora_tail",
-           "write_lora_tail"]
+__all__ = ["TAIL_ALIGN", "expand_in_gemm_layers", "expand_in_gemm_problem", "lora_tail_meta", "tail_width",
+           "widen_for_lora_tail", "write_lora_tail"]
 
 #: vLLM 0.24 pads a Humming linear's input width to a multiple of this (``pad_k_to_multiple=128``); the tail starts
 #: on such a boundary, where the repacked rows and the transformed scales of the base end.
@@ -43,6 +43,13 @@ def expand_in_gemm_problem(fp4_kernel: str, in_features: int) -> str | None:
     if in_features % TAIL_ALIGN:
         return f"its input width on this rank ({in_features}) is not a multiple of {TAIL_ALIGN}"
     return None
+
+
+def expand_in_gemm_layers(model: nn.Module) -> dict[str, str | None]:
+    """``{single-LoRA layer: None where its LoRA's expand runs inside Humming's GEMM, else why not}`` in a vLLM model
+    built with ``vllm_lora_expand_in_gemm`` (for the trainer's log: the option does nothing on a Marlin layer)."""
+    return {name: (None if module.qerl_expand_in_gemm else module.qerl_expand_in_gemm_why)
+            for name, module in model.named_modules() if hasattr(module, "qerl_expand_in_gemm")}  # fmt: skip
 
 
 def _row_second_scales(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ graphs see the new LoRA with no adapter files.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -19,6 +20,8 @@ from .lora_backend import GatherParams, VLLMLoRABackend
 from .peft_tensors import lora_target_leaves, peft_lora_modules
 
 __all__ = ["InLayerLoRABackend", "single_lora_engine_kwargs"]
+
+logger = logging.getLogger(__name__)
 
 
 def single_lora_engine_kwargs(checkpoint: str, model: nn.Module, fp4_kernel: str = "marlin",
@@ -38,6 +41,16 @@ def single_lora_engine_kwargs(checkpoint: str, model: nn.Module, fp4_kernel: str
     return {"quantization": QUANT_NAME, "hf_overrides": overrides}
 
 
+def log_expand_in_gemm(layers: dict[str, str | None]) -> None:
+    """Say how many LoRA'd linears run their expand inside Humming's GEMM (``vllm_lora_expand_in_gemm``) and why the
+    others do not; a warning when none does (the option then changes nothing)."""
+    why = sorted({w for w in layers.values() if w is not None})
+    inside = sum(w is None for w in layers.values())
+    text = (f"vllm_lora_expand_in_gemm: {inside} of {len(layers)} LoRA'd linears run the LoRA's expand inside "
+            f"Humming's GEMM" + (f"; the rest keep the two launches ({'; '.join(why)})" if why else ""))
+    (logger.info if inside else logger.warning)(text)
+
+
 class InLayerLoRABackend(VLLMLoRABackend):
     """QeRL's ``qerl_nvfp4_lora`` layers: the LoRA copied into the engine's linears each round."""
 
@@ -48,6 +61,13 @@ class InLayerLoRABackend(VLLMLoRABackend):
         return single_lora_engine_kwargs(self.spec.checkpoint, model, self.spec.fp4_kernel,
                                          humming_ahead=self.spec.humming_ahead and humming,
                                          expand_in_gemm=self.spec.expand_in_gemm and humming)  # fmt: skip
+
+    def attach(self, llm: Any) -> None:
+        super().attach(llm)
+        if self.spec.expand_in_gemm and self.spec.fp4_kernel == "humming":
+            from ...vllm_plugin.humming_tail import expand_in_gemm_layers
+
+            log_expand_in_gemm(llm.apply_model(expand_in_gemm_layers)[0])
 
     def sync(self, model: nn.Module, gather_params: GatherParams) -> None:
         with gather_params(self.lora_parameters(model)):  # copied into the engine's layers while gathered
