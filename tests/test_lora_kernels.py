@@ -171,6 +171,14 @@ def test_the_ops_trace_under_torch_compile(backend):
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(y, x), 2 * lora_delta_add_reference(y, x, a, b))
 
+    from qerl_trl.vllm_plugin.lora_kernels import lora_shrink_concat
+
+    def concat(x):  # the expand-in-GEMM input, then a stand-in for the GEMM over it
+        return lora_shrink_concat(x * 1, a, bounds, partials, 2).sum(-1)
+
+    want = torch.cat([x, x @ a.t()], dim=-1).sum(-1)
+    torch.testing.assert_close(torch.compile(concat, fullgraph=True, backend=backend)(x), want)
+
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor on CPU needs a C++ compiler")
 def test_inductor_reinplaces_the_expand_into_the_base_gemms_output():
