@@ -179,17 +179,23 @@ def quantize(
     global_scale = torch.as_tensor(global_scale).to(device=weight.device, dtype=torch.float32).reshape(1)
     if not bool(torch.isfinite(global_scale).all()) or not bool((global_scale > 0).all()):
         raise ValueError(f"global scale for {name} must be finite and positive, got {global_scale.item()}")
-    out_f, in_f = weight.shape
-    blocks = weight.detach().reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
-    # block scale: amax/6 rounded in the weight dtype, then global * it in float32, then FP8
-    scale = global_scale * (blocks.abs().amax(dim=-1) / FP4_E2M1_MAX)
+    blocks = weight.detach().reshape(weight.shape[0], -1, BLOCK_SIZE)
+    # block scale: amax/6 rounded in the weight dtype, then global * it in float32 (then FP8, in _round_blocks)
+    codes, scale = _round_blocks(blocks, global_scale * (blocks.abs().amax(dim=-1) / FP4_E2M1_MAX), global_scale)
+    return NVFP4Weight(pack_fp4(codes), scale, global_scale.clone())
+
+
+def _round_blocks(blocks: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """E2M1 codes ``[out, in]`` and FP8 block scales of ``blocks [out, in/16, 16]``, given each block's wanted scale
+    (``global * amax / 6``) and the global scale (``[1]``, or ``[out, 1]``: one per row): the scale clamped to
+    +-448 and rounded to FP8 (a zero one replaced by 0.125), then ``x / (scale / global)`` in float32, clamped to
+    +-6 and rounded to E2M1. :func:`quantize` and :func:`quantize_rows` share it."""
     scale = torch.clamp(scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
     scale = torch.where(scale == 0, torch.full_like(scale, FP8_SCALE_EPS), scale)
     eff = scale / global_scale
-    scaled = blocks.to(torch.float32) / eff.unsqueeze(-1)
-    scaled = torch.clamp(scaled, -FP4_E2M1_MAX, FP4_E2M1_MAX)
-    codes = round_to_e2m1(scaled).reshape(out_f, in_f)
-    return NVFP4Weight(pack_fp4(codes), scale.to(torch.float8_e4m3fn), global_scale.clone())
+    scaled = torch.clamp(blocks.to(torch.float32) / eff.unsqueeze(-1), -FP4_E2M1_MAX, FP4_E2M1_MAX)
+    return round_to_e2m1(scaled).reshape(blocks.shape[0], -1), scale.to(torch.float8_e4m3fn)
 
 
 def quantize_rows(weight: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -204,15 +210,11 @@ def quantize_rows(weight: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.
     out_f, in_f = weight.shape
     if in_f % BLOCK_SIZE:
         raise ValueError(f"quantize_rows needs in_features divisible by {BLOCK_SIZE}, got {tuple(weight.shape)}")
-    rs = row_scale.to(device=weight.device, dtype=torch.float32).reshape(out_f, 1)
+    global_rows = 1.0 / row_scale.to(device=weight.device, dtype=torch.float32).reshape(out_f, 1)
     blocks = weight.detach().to(torch.float32).reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
-    want = blocks.abs().amax(dim=-1) / FP4_E2M1_MAX / rs
-    saturated = (want > FP8_E4M3_MAX).any()
-    scale = torch.clamp(want, 0, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    scale = torch.where(scale == 0, torch.full_like(scale, FP8_SCALE_EPS), scale)
-    scaled = torch.clamp(blocks / (scale * rs).unsqueeze(-1), -FP4_E2M1_MAX, FP4_E2M1_MAX)
-    codes = round_to_e2m1(scaled).reshape(out_f, in_f)
-    return pack_fp4(codes), scale.to(torch.float8_e4m3fn), saturated
+    want = global_rows * (blocks.abs().amax(dim=-1) / FP4_E2M1_MAX)
+    codes, scale = _round_blocks(blocks, want, global_rows)
+    return pack_fp4(codes), scale, (want > FP8_E4M3_MAX).any()
 
 
 def dequantize(

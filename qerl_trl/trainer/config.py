@@ -90,8 +90,8 @@ class QeRLGRPOConfig(GRPOConfig):
             each linear's NVFP4 weight, so one Humming GEMM adds the base and the LoRA (`[x | x Aᵀ] @ [W | B]ᵀ`) and
             each linear runs one LoRA launch instead of two. B then runs in NVFP4 in the rollouts (quantized at each
             sync against the layer's own second scale), which widens the trainer-vs-vLLM log-prob gap that TRL's
-            importance-sampling correction absorbs. Layers on Marlin, or whose input width or `S·r` does not fit
-            (`docs/vllm.md`), keep the two-launch pair. Off by default: not yet run on a GPU (issue #55).
+            importance-sampling correction absorbs. Layers on Marlin, or whose input width on a rank is not a multiple
+            of 128 (`docs/vllm.md`), keep the two-launch pair. Off by default: not yet run on a GPU (issue #55).
         vllm_max_lora_rank (`int`, *optional*):
             With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts
             (1, 8, 16, 32, 64, 128, 256, 320, 512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is

@@ -174,17 +174,21 @@ class SingleLoRALinearMethod(LinearMethodBase):
             **extra_weight_attrs,
         )  # fmt: skip
         plan = layer_lora_plan(layer, self.names, output_partition_sizes, input_size_per_partition, self.rank)
-        (ra, ca), (rb, cb) = plan.buffer_shapes()
+        (_, ca), (rb, cb) = plan.buffer_shapes()
         layer.qerl_lora_plan = plan
+        rows = self.shrink_rows(layer, plan)
         # Buffers, not parameters: the checkpoint has no such tensors and vLLM's loaders must not look for them.
         # Allocated here, inside the loader's device context and the "weights" memory pool (sleep level 1 keeps them).
-        layer.register_buffer("qerl_lora_a", torch.zeros(ra, ca, dtype=params_dtype), persistent=False)
+        layer.register_buffer("qerl_lora_a", torch.zeros(rows, ca, dtype=params_dtype), persistent=False)
         layer.register_buffer("qerl_lora_b", torch.zeros(rb, cb, dtype=params_dtype), persistent=False)
         starts = [s.out_start for s in plan.slots]
-        layer.register_buffer(
-            "qerl_lora_bounds", lora_slot_bounds(starts, plan.out_rows, plan.total_rank), persistent=False
-        )
-        layer.register_buffer("qerl_lora_partials", lora_partials(plan.total_rank), persistent=False)
+        layer.register_buffer("qerl_lora_bounds", lora_slot_bounds(starts, plan.out_rows, rows), persistent=False)
+        layer.register_buffer("qerl_lora_partials", lora_partials(rows), persistent=False)
+
+    def shrink_rows(self, layer: nn.Module, plan: LoRAShardPlan) -> int:
+        """The rows of the layer's A buffer and of the shrink's scratch: the plan's ``S*r`` (the first ``S*r`` rows
+        of A are the slots', any further rows stay zero)."""
+        return plan.total_rank
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.inner.process_weights_after_loading(layer)
@@ -206,24 +210,14 @@ class ExpandInGemmLoRALinearMethod(SingleLoRALinearMethod):
     read-modify-write of the output; ``B`` runs in NVFP4. A layer that cannot take it (Marlin, or a width
     :func:`expand_in_gemm_problem` refuses) runs the two-launch pair; ``qerl_expand_in_gemm`` says which, and why."""
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype,
-                       **extra_weight_attrs: Any) -> None:  # fmt: skip
-        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
-                               params_dtype, **extra_weight_attrs)  # fmt: skip
-        problem = expand_in_gemm_problem(getattr(layer, "qerl_fp4_kernel", type(self.inner).__name__),
-                                         input_size_per_partition)  # fmt: skip
+    def shrink_rows(self, layer: nn.Module, plan: LoRAShardPlan) -> int:
+        """Decide here, with the FP4 kernel chosen and before the buffers exist, whether the layer takes the expand
+        inside its GEMM; if so, A gets the tail's width (``S*r`` rounded up to 16): its zero rows make the pad
+        columns of ``[x | x A^T]`` zero."""
+        problem = expand_in_gemm_problem(getattr(layer, "qerl_fp4_kernel", type(self.inner).__name__), plan.in_cols)
         layer.qerl_expand_in_gemm = problem is None
         layer.qerl_expand_in_gemm_why = problem
-        plan = layer.qerl_lora_plan
-        width = tail_width(plan.total_rank)
-        if problem is None and width != plan.total_rank:  # A's zero rows make the pad columns of [x | x A^T] zero
-            dtype = layer.qerl_lora_a.dtype
-            layer.register_buffer("qerl_lora_a", torch.zeros(width, input_size_per_partition, dtype=dtype),
-                                  persistent=False)  # fmt: skip
-            layer.register_buffer("qerl_lora_bounds", lora_slot_bounds([s.out_start for s in plan.slots],
-                                                                       plan.out_rows, width), persistent=False)
-            layer.register_buffer("qerl_lora_partials", lora_partials(width), persistent=False)
+        return plan.total_rank if problem else tail_width(plan.total_rank)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not layer.qerl_expand_in_gemm:
