@@ -107,6 +107,7 @@ def test_widening_appends_zero_columns_and_records_each_rows_second_scale(gs):
 class _Meta:
     shape_k: int
     pad_shape_k: int = 0
+    has_bias: bool = False
 
 
 def _to_rows(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +123,8 @@ def stand_in_transform(monkeypatch):
     def transform_humming_tensors(meta, tensors):
         weight = tensors["weight"].view(torch.uint8)
         assert weight.shape[1] * 2 == meta.shape_k - meta.pad_shape_k
+        if meta.has_bias:  # Humming 0.1.19's schema check (validate_tensors)
+            assert "bias" in tensors, "bias is required by humming"
         calls.append(meta)
         w, s = _to_rows(weight, tensors["weight_scale"])
         return {"weight": w, "weight_scale": s, "weight_scale_2": tensors["weight_scale_2"]}
@@ -135,18 +138,20 @@ def stand_in_transform(monkeypatch):
     return calls
 
 
-def test_a_sync_writes_b_over_the_tail_rows_and_nothing_else(stand_in_transform):
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_a_sync_writes_b_over_the_tail_rows_and_nothing_else(stand_in_transform, bias):
     """After widening and "Humming's" transform (K along the rows), a sync writes B's NVFP4 tail over the last rows
-    of the weight and scales: the base's rows keep their bytes, and the tail dequantizes to B (its pad columns 0)."""
+    of the weight and scales: the base's rows keep their bytes, and the tail dequantizes to B (its pad columns 0).
+    A layer with a bias (Qwen2.5's q/k/v) transforms its tail without one: the bias is the base GEMM's."""
     layer = _ct_layer([32, 32], 256, [2688.0, 1344.5])
     r_total = 8  # S*r = 2 * 4: padded to one NVFP4 block
     widen_for_lora_tail(layer, tail_width(r_total))
     w, s = _to_rows(layer.weight_packed.data, layer.weight_scale.data)  # what Humming's processing leaves
     layer.weight = nn.Parameter(w, requires_grad=False)
     layer.weight_scale = nn.Parameter(s, requires_grad=False)
-    layer.humming_metas = {"": _Meta(shape_k=256 + 16)}
+    layer.humming_metas = {"": _Meta(shape_k=256 + 16, has_bias=bias)}
     layer.qerl_tail_meta = lora_tail_meta(layer)
-    assert layer.qerl_tail_meta == _Meta(shape_k=16)
+    assert layer.qerl_tail_meta == _Meta(shape_k=16, has_bias=False)
     base_w, base_s = w[:128].clone(), s[:16].clone()
 
     b = torch.zeros(64, r_total, dtype=torch.bfloat16)

@@ -385,7 +385,8 @@ def _stand_in_humming(ahead: bool = False, expand: bool = False) -> None:
             if not expand:
                 layer.humming_metas = {"": Meta([layer.output_size_per_partition, layer.input_size_per_partition])}
                 return
-            layer.humming_metas = {"": RowsMeta(shape_k=layer.input_size_per_partition)}
+            layer.humming_metas = {"": RowsMeta(shape_k=layer.input_size_per_partition,
+                                                has_bias=getattr(layer, "bias", None) is not None)}  # fmt: skip
             for name in ("weight", "weight_scale"):
                 setattr(layer, name, nn.Parameter(getattr(layer, name).data.t().contiguous(), requires_grad=False))
 
@@ -401,9 +402,11 @@ def _stand_in_humming(ahead: bool = False, expand: bool = False) -> None:
     class RowsMeta:
         shape_k: int
         pad_shape_k: int = 0
+        has_bias: bool = False
 
     def transform_humming_tensors(meta, tensors):
         assert tensors["weight"].shape[1] * 8 == meta.shape_k - meta.pad_shape_k  # int32: 8 codes each
+        assert "bias" in tensors or not meta.has_bias, "bias is required by humming"  # Humming's schema check
         return {"weight": tensors["weight"].view(torch.uint8).t().contiguous(),
                 "weight_scale": tensors["weight_scale"].t().contiguous()}  # fmt: skip
 

@@ -93,9 +93,11 @@ def widen_for_lora_tail(layer: nn.Module, width: int) -> int:
 
 
 def lora_tail_meta(layer: nn.Module) -> object:
-    """Humming's layer meta for the tail alone: the layer's, with its width the tail's (after Humming processed it)."""
+    """Humming's layer meta for the tail alone: the layer's, with its width the tail's (after Humming processed it)
+    and no bias. The layer's bias is added once, by its own GEMM; a meta that kept ``has_bias`` made Humming's
+    transform demand a ``bias`` tensor for the tail (Qwen2.5's q/k/v, found on an H100 at b557732)."""
     meta = layer.humming_metas[""]
-    return dataclasses.replace(meta, shape_k=meta.shape_k - layer.qerl_in_features)
+    return dataclasses.replace(meta, shape_k=meta.shape_k - layer.qerl_in_features, has_bias=False)
 
 
 def write_lora_tail(layer: nn.Module) -> torch.Tensor:
