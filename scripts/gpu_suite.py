@@ -28,6 +28,7 @@ killed after ``STOP_GRACE_S``, no later part starts, and the part is recorded as
 from __future__ import annotations
 
 import argparse
+import codecs
 import glob
 import json
 import os
@@ -132,17 +133,26 @@ def _run_part(part: str, rest: list[str], env: dict[str, str] | None = None,
     out = out or sys.stdout
     t0 = time.monotonic()
     last = ""
-    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                           start_new_session=True) as proc:  # fmt: skip
         with _live_lock:
             _live.add(proc)
         try:
             assert proc.stdout is not None
-            for line in proc.stdout:
-                out.write(line)
+            line = ""
+            # Echoed as it comes, not by line: pytest -q writes a line of progress dots over minutes, and a device
+            # call killed at its time limit must leave in the log how far the part got.
+            while chunk := proc.stdout.read1(65536):
+                text = decode.decode(chunk)
+                out.write(text)
                 out.flush()
-                if SUMMARY.search(line):  # not the last line: NCCL and vLLM print warnings after pytest's summary
-                    last = line.strip()
+                *done, line = (line + text).split("\n")
+                for full in done:
+                    if SUMMARY.search(full):  # not the last line: NCCL and vLLM print warnings after the summary
+                        last = full.strip()
+            if SUMMARY.search(line + decode.decode(b"", final=True)):
+                last = line.strip()
         finally:
             proc.wait()
             with _live_lock:

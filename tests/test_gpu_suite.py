@@ -85,6 +85,36 @@ def test_a_recorded_part_leaves_its_outcome_commit_and_time(tmp_path, monkeypatc
     assert "test_bad" in capsys.readouterr().out  # pytest's output still reaches the console
 
 
+def test_a_parts_output_reaches_the_log_before_its_line_ends(tmp_path, monkeypatch):
+    """pytest -q prints a line of progress dots over minutes: the log gets each dot as it comes, so a part killed
+    mid-line (a device call's time limit) still shows how far it got. The second test waits for the first's dot in
+    the log the suite writes; an echo by whole lines never shows it, and the test fails at its deadline."""
+    log = tmp_path / "part.log"
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(textwrap.dedent(f"""
+        import time
+
+        import pytest
+
+
+        @pytest.mark.gpu
+        def test_first():
+            pass
+
+
+        @pytest.mark.gpu
+        def test_sees_the_first_dot_in_the_log():
+            deadline = time.monotonic() + 60
+            while "." not in open({str(log)!r}).read():
+                assert time.monotonic() < deadline, "the first test's dot never reached the log"
+                time.sleep(0.1)
+    """))
+    monkeypatch.setitem(gpu_suite.PARTS, "probe", ([str(probe)], "a dot in the log before the line ends"))
+    with open(log, "w") as out:
+        rc, summary, _ = gpu_suite._run_part("probe", [], out=out)
+    assert rc == 0 and summary.startswith("2 passed"), (rc, summary, log.read_text())
+
+
 def test_the_list_shows_each_parts_newest_record(tmp_path, monkeypatch, capsys):
     """Over every GPU's record file: a part run on an H200 after its H100 row shows the H200 row."""
     h100 = [{"part": "kernels", "status": "failed", "wall_s": 300.0, "commit": "1" * 40},
