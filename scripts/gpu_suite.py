@@ -64,6 +64,8 @@ PARTS: dict[str, tuple[list[str], str]] = {
     "real_shape": (["tests/test_real_shape_colocate.py"], "1.5B colocate training, AQN and sleep mode on"),
     "moe": (["tests/test_moe_colocate_gpu.py"],
             "a small Qwen3-MoE in colocate training, both backends"),
+    "real_shape_moe": (["tests/test_real_shape_moe_gpu.py"],
+                       "Qwen3-30B-A3B (NVFP4) colocate training: routing, AQN, log-probs"),
     # the 32B memory step took 9.5 min with its checkpoint's write at aa48af6: the write is its own part, run first
     "checkpoint_32b": (["tests/test_checkpoint_32b.py"], "writes and checks the 32B NVFP4 checkpoint"),
     "real_shape_32b": (["tests/test_real_shape_32b.py"], "32B memory step on the checkpoint above"),

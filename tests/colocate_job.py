@@ -61,13 +61,15 @@ def check_trained(trainer, rounds: list[dict], lora0: dict[str, torch.Tensor], s
 
 
 def train_and_check(trainer, frozen_type: type[nn.Module], frozen_attr: str, sigmas: tuple[float, float, int],
-                    steps: int = 3) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:  # fmt: skip
+                    steps: int = 3, frozen_device: str | None = None,
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:  # fmt: skip
     """Train with AQN recorded in vLLM, run :func:`check_trained`, and check that every ``frozen_type`` module's
-    ``frozen_attr`` (the packed base) did not change; returns ``(frozen tensors, LoRA tensors)`` as they started."""
+    ``frozen_attr`` (the packed base) did not change; returns ``(frozen tensors, LoRA tensors)`` as they started.
+    ``frozen_device``: where the starting copy of the packed base is kept (``"cpu"`` where it would crowd the GPU)."""
     from benchmarks.colocate_check import record_aqn_in_vllm
 
     model = trainer.model
-    frozen = {n: getattr(m, frozen_attr).detach().clone() for n, m in model.named_modules()
+    frozen = {n: getattr(m, frozen_attr).detach().to(frozen_device, copy=True) for n, m in model.named_modules()
               if isinstance(m, frozen_type)}  # fmt: skip
     lora0 = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     rounds, stop_recording = record_aqn_in_vllm(trainer)
@@ -76,7 +78,8 @@ def train_and_check(trainer, frozen_type: type[nn.Module], frozen_attr: str, sig
     check_trained(trainer, rounds, lora0, sigmas, steps)
     for n, m in model.named_modules():
         if isinstance(m, frozen_type):
-            assert torch.equal(getattr(m, frozen_attr), frozen[n]), f"the packed base of {n} changed"
+            now = getattr(m, frozen_attr)
+            assert torch.equal(now.to(frozen[n].device), frozen[n]), f"the packed base of {n} changed"
     return frozen, lora0
 
 
