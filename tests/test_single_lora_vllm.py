@@ -140,7 +140,9 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False, quant_config=q,
                                     prefix=f"{PREFIX}.self_attn.qkv_proj")  # fmt: skip
             o = RowParallelLinear(HEADS * HEAD, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.self_attn.o_proj")
-            gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, quant_config=q,
+            # with expand, gate_up has a bias: a biased Humming layer's tail is transformed without it (Qwen2.5's
+            # q/k/v on Humming failed their first sync at b557732; here q/k/v run on Marlin)
+            gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=expand, quant_config=q,
                                                  prefix=f"{PREFIX}.mlp.gate_up_proj")  # fmt: skip
             down = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=q, prefix=f"{PREFIX}.mlp.down_proj")
             torch.set_default_device("cpu")
@@ -160,6 +162,11 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             else:
                 _load_nvfp4(full, qkv, zip("qkv", ["q_proj", "k_proj", "v_proj"]))
                 _load_nvfp4(full, gate_up, enumerate(["gate_proj", "up_proj"]))
+                if expand:
+                    for shard, name in enumerate(["gate_proj", "up_proj"]):
+                        bias = torch.randn(INTER, generator=torch.Generator().manual_seed(5 + shard)).to(dtype)
+                        gate_up.bias.weight_loader(gate_up.bias, bias, shard)
+                        full[name + ".bias"] = bias.float()
                 _load_nvfp4(full, o, [(None, "o_proj")])
                 _load_nvfp4(full, down, [(None, "down_proj")])
             for layer in (qkv, o, gate_up, down):
@@ -193,7 +200,7 @@ def _rank_job(tp_rank: int, tp_size: int, port: int, targets: list[str], mode: s
             tail_b = _expand_tail_b(qkv, o, gate_up, down, full) if expand else {}
 
             def ref(name, inp):
-                y = inp @ full[name].T
+                y = inp @ full[name].T + full.get(name + ".bias", 0.0)
                 if name in targets:  # with expand: B as the Humming layers hold it, NVFP4 against each row's scale
                     b = tail_b.get(name, SCALING * full[name + ".B"])
                     y = y + (inp @ full[name + ".A"].T) @ b.T
