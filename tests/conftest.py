@@ -111,9 +111,11 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-#: the GPU suite (``-m "gpu or vllm"``) as this session collected it, before ``-m`` deselected anything; None when the
-#: session did not collect every test module (``tests/test_gpu_suite.py`` then collects it in a child pytest)
-GPU_SUITE_SEEN = pytest.StashKey[set[str] | None]()
+#: the GPU suite (``-m "gpu or vllm"``) as this session collected it, before ``-m`` deselected anything: node id ->
+#: (its markers' names, its keywords lower-cased: what ``-m`` and ``-k`` match, so ``tests/test_gpu_suite.py`` can
+#: select each part's tests without collecting again); None when the session did not collect every test module
+#: (that test then collects in child pytests)
+GPU_SUITE_SEEN = pytest.StashKey[dict[str, tuple[frozenset[str], frozenset[str]]] | None]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before the ``-m`` option deselects anything
@@ -122,7 +124,11 @@ def pytest_collection_modifyitems(config, items):
     skip GPU tests on a machine without CUDA."""
     here = os.path.dirname(os.path.abspath(__file__))
     modules = {os.path.join(here, f) for f in os.listdir(here) if f.startswith("test_") and f.endswith(".py")}
-    gpu = {item.nodeid for item in items if {m.name for m in item.iter_markers()} & {"gpu", "vllm"}}
+    gpu = {}
+    for item in items:
+        marks = frozenset(m.name for m in item.iter_markers())
+        if marks & {"gpu", "vllm"}:
+            gpu[item.nodeid] = (marks, frozenset(str(k).lower() for k in item.keywords))
     config.stash[GPU_SUITE_SEEN] = gpu if modules <= {str(item.path) for item in items} else None
     if has_cuda():
         return

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import pytest
 
@@ -22,27 +24,68 @@ def _collect(args: list[str]) -> set[str]:
     return {line.strip() for line in out.splitlines() if "::" in line}
 
 
-def _part_tests(part: str, whole: set[str]) -> set[str]:
-    """A part's tests: a part that names files holds the GPU tests of those files (one collection of the whole suite
-    serves them all: each collection imports every test module, which takes a while on CI's 2 cores); a part with
-    its own marker or ``-k`` expression is collected."""
+def _matches(expr: str | None, has: Callable[[str], bool]) -> bool:
+    """pytest's ``-m``/``-k`` grammar (names joined by ``and``, ``or``, ``not`` and parentheses), each name decided by
+    ``has``: for ``-m`` a marker's name, for ``-k`` a case-insensitive substring of a keyword (pytest's documented
+    semantics). None matches everything."""
+    if expr is None:
+        return True
+    tokens = re.findall(r"\(|\)|[^\s()]+", expr)
+    code = " ".join(t if t in ("(", ")", "and", "or", "not") else repr(has(t)) for t in tokens)
+    return bool(eval(code, {"__builtins__": {}}))  # only True, False, and/or/not and parentheses
+
+
+def _part_tests(part: str, whole: set[str], seen: dict | None = None) -> set[str]:
+    """A part's tests. With ``seen`` (the session's node ids, markers and keywords: conftest's GPU_SUITE_SEEN), its
+    files, ``-m``, ``-k`` and ``--ignore`` select them here, as pytest would; without it a part that names files holds
+    the GPU tests of those files and a part with its own ``-m`` or ``-k`` is collected in a child pytest (each child
+    imports the test modules, which took 28 s of CI's 2 cores for three parts)."""
     args = gpu_suite.pytest_args(part)
-    if args[:2] == ["-m", "gpu or vllm"] and "-k" not in args:
-        paths = [a.rstrip("/") for a in args[2:]]  # files, folders, or test ids (``file::test[param]``)
-        return {t for t in whole if any(t == p or t.split("::")[0] == p or t.startswith(p + "/") for p in paths)}
-    return _collect(args)
+    if seen is None:
+        if args[:2] == ["-m", "gpu or vllm"] and "-k" not in args:
+            paths = [a.rstrip("/") for a in args[2:]]  # files, folders, or test ids (``file::test[param]``)
+            return {t for t in whole if any(_under(t, p) for p in paths)}
+        return _collect(args)
+    options: dict[str, str | None] = {"-m": None, "-k": None}
+    paths, ignored = [], []
+    rest = iter(args)
+    for arg in rest:
+        if arg in options:
+            options[arg] = next(rest)
+        elif arg == "--ignore":
+            ignored.append(next(rest).rstrip("/"))
+        else:
+            assert not arg.startswith("-"), f"part {part}: {arg} is not an option this test can apply"
+            paths.append(arg.rstrip("/"))
+    return {t for t, (marks, words) in seen.items()
+            if any(_under(t, p) for p in paths) and not any(_under(t, p) for p in ignored)
+            and _matches(options["-m"], lambda name: name in marks)
+            and _matches(options["-k"], lambda name: any(name.lower() in w for w in words))}  # fmt: skip
+
+
+def _under(test: str, path: str) -> bool:
+    """``test`` (a node id) is ``path``, in the file ``path``, or under the folder ``path``."""
+    return test == path or test.split("::")[0] == path or test.startswith(path + "/")
+
+
+def test_the_selection_reads_m_and_k_as_pytest_does():
+    marks, words = frozenset({"gpu"}), frozenset({"test_x[files_sleep]", "test_trainer_vllm_gpu.py", "tests", "gpu"})
+    is_mark, has_word = (lambda n: n in marks), (lambda n: any(n.lower() in w for w in words))
+    assert _matches("gpu and not vllm", is_mark) and not _matches("not gpu", is_mark)
+    assert _matches("(vllm or gpu) and not (vllm)", is_mark)
+    assert _matches("files or fused", has_word) and not _matches("not files and not fused", has_word)
+    assert _matches("FILES", has_word) and _matches(None, has_word)
 
 
 def test_every_gpu_test_is_in_exactly_one_part(request):
     from conftest import GPU_SUITE_SEEN
 
-    whole = request.config.stash.get(GPU_SUITE_SEEN, None)  # this session's, when it collected every test module
-    if whole is None:
-        whole = _collect(["-m", "gpu or vllm", "tests"])
+    seen_here = request.config.stash.get(GPU_SUITE_SEEN, None)  # this session's, when it collected every module
+    whole = set(seen_here) if seen_here is not None else _collect(["-m", "gpu or vllm", "tests"])
     assert len(whole) > 100
     seen: dict[str, str] = {}
     for part in gpu_suite.PARTS:
-        for test in _part_tests(part, whole):
+        for test in _part_tests(part, whole, seen_here):
             assert test not in seen, f"{test} is in parts {seen[test]} and {part}"
             seen[test] = part
     assert set(seen) == whole, sorted(whole - set(seen))[:5]
