@@ -436,7 +436,10 @@ def _run(tp_size: int, targets: list[str], mode: str = "plain") -> list:
         pytest.skip(f"needs {tp_size} GPU(s) (or QERL_VLLM_ON_CPU=1 with a vLLM that imports on CPU)")
     from benchmarks._child import free_port
 
-    ctx = torch.multiprocessing.get_context("spawn")
+    # CUDA needs a fresh process per rank; on the CPU (CI) a fork shares the parent's imported torch and vLLM, where
+    # each spawned rank spent seconds of CI's 2 cores importing them again (15 ranks over this file's cases)
+    on_cpu = os.environ.get("QERL_VLLM_ON_CPU") == "1" and not torch.cuda.is_initialized()
+    ctx = torch.multiprocessing.get_context("fork" if on_cpu else "spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_job, args=(r, tp_size, port, targets, mode, results)) for r in range(tp_size)]
