@@ -153,8 +153,10 @@ def _run_part(part: str, rest: list[str], env: dict[str, str] | None = None,
                 for full in done:
                     if SUMMARY.search(full):  # not the last line: NCCL and vLLM print warnings after the summary
                         last = full.strip()
-            if SUMMARY.search(line + decode.decode(b"", final=True)):
-                last = line.strip()
+            rest = decode.decode(b"", final=True)  # an incomplete character at the very end
+            out.write(rest)
+            if SUMMARY.search(line + rest):
+                last = (line + rest).strip()
         finally:
             proc.wait()
             with _live_lock:
