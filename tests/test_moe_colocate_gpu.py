@@ -8,9 +8,12 @@ vLLM's norms, the rollout guard stays quiet, and after a sync vLLM's log-probs o
 trainer's, with the adapter moving them. Then, with the noise-free norms and the adapter synced, vLLM routes a fixed
 sequence's tokens to the experts the trainer's routers pick (``qerl_trl.trainer.moe_routing``, vLLM's routing
 capture on): every (token, layer) that differs must be a near-tie of the trainer's router logits
-(:data:`ROUTING_TIE_GAP` logit standard deviations), and most must agree (:data:`ROUTING_SAME_MIN`). Both bounds are
-first estimates, set before the check first ran on a GPU: a wrong expert order or router would route about a
-quarter of the choices alike (4 of 16 experts), noise left in vLLM's norms would move choices far from ties.
+(:data:`ROUTING_TIE_GAP` logit standard deviations), and at most 5% of the expert choices may differ
+(:data:`ROUTING_SLOTS_MIN`). A wrong expert order or router would route about a quarter of the choices alike (4 of 16
+experts), noise left in vLLM's norms would move choices far from ties. The bound is on choices, not on whole
+(token, layer) sets: at Qwen3-30B-A3B's 8 of 128 a random router's 8th and 9th logits lie about 0.06 standard
+deviations apart (a third of 4 of 16's gap) and any of 8 choices can flip, so the first real-shape run (3b2f6d1,
+an H100) had 80% of the sets and 97.4% of the choices alike, every difference within 0.14 deviations of a tie.
 ``pytest -m vllm`` on the GPU machine (``gpu_suite.py moe``).
 """
 
@@ -24,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 WORK = os.environ.get("QERL_E2E_WORK", "/tmp/qerl-e2e")
 #: small enough to write in seconds, large enough for vLLM's NVFP4 MoE kernels (sizes multiples of 128)
-ROUTING_SAME_MIN = 0.8  # fraction of (token, layer) pairs whose experts are the same set
+ROUTING_SLOTS_MIN = 0.95  # fraction of the k expert choices (over tokens and layers) both made
 ROUTING_TIE_GAP = 0.25  # largest trainer-logit gap (in logit standard deviations) at which the two may differ
 SHAPE = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64)  # fmt: skip
@@ -110,7 +113,7 @@ def _job(case: str, tmp_path) -> None:
     routing = check_routing(trainer, ids)
     print("routing check:", json.dumps(routing))
     assert routing["layers"] == layers and routing["tokens"] == len(ids), routing
-    assert routing["same_experts"] >= ROUTING_SAME_MIN and routing["max_tie_gap"] <= ROUTING_TIE_GAP, routing
+    assert routing["same_slots"] >= ROUTING_SLOTS_MIN and routing["max_tie_gap"] <= ROUTING_TIE_GAP, routing
 
 
 if __name__ == "__main__":  # one backend's job in a fresh process (see the test)
