@@ -109,6 +109,11 @@ def test_a_recorded_part_leaves_its_outcome_commit_and_time(tmp_path, monkeypatc
             assert False
 
 
+        @pytest.mark.gpu
+        def test_skipping():
+            pytest.skip("what this machine lacks")
+
+
         def teardown_module():  # as NCCL does at exit: a line after pytest's summary, which the record must skip
             atexit.register(print, "[rank0]: Warning: destroy_process_group() was not called")
     """))
@@ -116,7 +121,13 @@ def test_a_recorded_part_leaves_its_outcome_commit_and_time(tmp_path, monkeypatc
     monkeypatch.setenv("QERL_COMMIT", "a" * 40)
     out = tmp_path / "out"
 
+    assert gpu_suite.main(["tiny", "--record", str(out), "-k", "skipping"]) == 0
+    (path,) = out.iterdir()
+    (row,) = json.loads(path.read_text())["rows"]
+    assert (row["status"], row["rc"]) == ("skipped", 0) and row["summary"].startswith("1 skipped, 2 deselected")
     assert gpu_suite.main(["tiny", "--record", str(out), "-k", "ok"]) == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["status"] == "passed"
     assert gpu_suite.main(["tiny", "--record", str(out)]) == 1  # the same part at the same commit again: replaces
 
     (path,) = out.iterdir()
@@ -124,7 +135,7 @@ def test_a_recorded_part_leaves_its_outcome_commit_and_time(tmp_path, monkeypatc
     assert set(result) == {"benchmark", "gpu", "versions", "commit", "command", "rows"}
     (row,) = result["rows"]
     assert (row["part"], row["status"], row["rc"], row["commit"]) == ("tiny", "failed", 1, "a" * 40)
-    assert row["summary"].startswith("1 failed, 1 passed") and " in " in row["summary"] and row["wall_s"] > 0
+    assert row["summary"].startswith("1 failed, 1 passed, 1 skipped") and " in " in row["summary"] and row["wall_s"] > 0
     assert "test_bad" in capsys.readouterr().out  # pytest's output still reaches the console
 
 
