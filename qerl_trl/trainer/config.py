@@ -91,7 +91,9 @@ class QeRLGRPOConfig(GRPOConfig):
             each linear runs one LoRA launch instead of two. B then runs in NVFP4 in the rollouts (quantized at each
             sync against the layer's own second scale), which widens the trainer-vs-vLLM log-prob gap that TRL's
             importance-sampling correction absorbs. Layers on Marlin, or whose input width on a rank is not a multiple
-            of 128 (`docs/vllm.md`), keep the two-launch pair. Off by default: not yet run on a GPU (issue #55).
+            of 128 (`docs/vllm.md`), keep the two-launch pair. Off by default (issue #55): at 7B on one H100 the
+            rollout was 10% shorter and each sync 0.16 s longer, with the same log-prob gap (`docs/benchmarks.md`);
+            it has not yet run with sleep mode or on several GPUs.
         vllm_max_lora_rank (`int`, *optional*):
             With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts
             (1, 8, 16, 32, 64, 128, 256, 320, 512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is
