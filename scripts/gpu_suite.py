@@ -95,7 +95,8 @@ def _rows(path: str) -> list[dict]:
         return list(json.load(f)["rows"])
 
 
-#: pytest's closing line: "2 passed, 1 skipped in 3.1s", "1 failed, 1 passed in 0.2s", "no tests ran in 0.1s"
+#: pytest's closing line: "2 passed, 1 skipped in 3.1s", "1 failed, 1 passed in 0.2s", "2 skipped in 9.8s", "no tests
+#: ran in 0.1s"
 SUMMARY = re.compile(r"\b(passed|failed|errors?|skipped|no tests ran)\b.* in \d+(\.\d+)?s\b")
 PASSED = re.compile(r"\b[1-9]\d* passed\b")
 
