@@ -310,3 +310,22 @@ def test_the_h100_step_tables_are_the_json_rows():
         assert _close(train_peak, row["peak_gib_by_phase"]["train"])
         assert _close(NUMBER.findall(cells[5])[0], row["init_s"])
     assert len(body) == 2
+
+
+def test_the_h100_expand_in_gemm_table_is_its_runs_rows():
+    """Issue #55's first whole steps of vllm_lora_expand_in_gemm (one H100 run): each arm's step, phases, peak and
+    range of per-step mean log-prob gaps from its row."""
+    run = "20261127T225643Z-266d6b"
+    rows = [r for r in _rows("e2e_step-h100.json") if r.get("run") == run and r["arm"] == "qerl_single_lora"]
+    ((_, header, body),) = _tables("| H100 7B 2 × 8 × 512, no sleep, arm |")
+    assert header[1:] == ["step", "rollout / sync / training pass", "peak", "log-prob gap a step (mean)"]
+    arms = {"QeRL, expand in the GEMM": True, "QeRL as shipped (the LoRA pair)": False}
+    for cells in body:
+        (row,) = [r for r in rows if r["expand_in_gemm"] == arms[cells[0]]]
+        assert row["status"] == "ok" and not row["sleep"] and not row["fused_is"]
+        _check_step_cells(["", *cells], row)
+        assert _close(NUMBER.findall(cells[3])[0], row["peak_gib"])
+        low, high = NUMBER.findall(cells[4])
+        gaps = row["logp_gap_mean_per_step"]
+        assert _close(low, min(gaps)) and _close(high, max(gaps))
+    assert len(body) == 2

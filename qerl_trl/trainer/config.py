@@ -89,7 +89,7 @@ class QeRLGRPOConfig(GRPOConfig):
             With `vllm_lora_backend="qerl"` on Humming, in colocate mode: the LoRA's B becomes extra input columns of
             each linear's NVFP4 weight, so one Humming GEMM adds the base and the LoRA (`[x | x Aᵀ] @ [W | B]ᵀ`) and
             each linear runs one LoRA launch instead of two. B then runs in NVFP4 in the rollouts (quantized at each
-            sync against the layer's own second scale), which widens the trainer-vs-vLLM log-prob gap that TRL's
+            sync against the layer's own second scale), which can widen the trainer-vs-vLLM log-prob gap that TRL's
             importance-sampling correction absorbs. Layers on Marlin, or whose input width on a rank is not a multiple
             of 128 (`docs/vllm.md`), keep the two-launch pair. Off by default (issue #55): at 7B on one H100 the
             rollout was 10% shorter and each sync 0.16 s longer, with the same log-prob gap (`docs/benchmarks.md`);
