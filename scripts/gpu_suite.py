@@ -20,6 +20,10 @@ trainer) and gets its own ``QERL_E2E_WORK``; its output goes to ``gpu_suite-lane
 the working directory), and each row notes its lane. A lane's wall times are not those of a machine to itself.
 Tests that start a child on "GPU i" name the lane's own GPU (``benchmarks._child.visible_gpu``).
 
+``QERL_JOB_CONFIG='{"fused_importance_sampling": true}'`` runs the jobs of ``tests/ddp_job.py`` (the ``multi_gpu``,
+``tensor_parallel`` and ``server_*`` parts) with those config fields over their own, so an option runs on several GPUs
+before its default changes; each row then records them (``job_config``).
+
 A signal (a device call's ``timeout`` sends SIGTERM) stops the suite without leaving GPU memory held: each running
 part's pytest runs its finalizers, which stop the vLLM servers and engines its tests started, its process group is
 killed after ``STOP_GRACE_S``, no later part starts, and the part is recorded as failed, "stopped after N s".
@@ -193,6 +197,8 @@ def record(out_dir: str, part: str, rc: int, summary: str, seconds: float, uuid:
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     if note:
         row["note"] = note
+    if os.environ.get("QERL_JOB_CONFIG"):  # the multi-GPU and server jobs ran with these options over their own
+        row["job_config"] = json.loads(os.environ["QERL_JOB_CONFIG"])
     path = os.path.join(out_dir, f"gpu_suite-{gpu_tag()}.json")
     rows = [r for r in _rows(path) if not (r["part"] == part and r["commit"] == commit)] + [row]
     command = "python scripts/gpu_suite.py PART --record " + out_dir + " (one row per part)"

@@ -14,6 +14,7 @@ Used by ``tests/test_ddp.py`` (CPU, gloo), ``tests/test_multi_gpu.py`` (2 GPUs, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,6 +25,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 def varied_reward(completions, **kwargs) -> list[float]:
     """A reward that differs between completions of a random model, so GRPO's advantages (and the LoRA) move."""
     return [(sum(map(ord, c)) % 7) / 6 for c in completions]
+
+
+def job_overrides(text: str | None, config_cls: type) -> dict:
+    """``QERL_JOB_CONFIG``, a JSON object of ``QeRLGRPOConfig`` fields set over the job's own: the GPU suite's
+    multi-GPU and server parts can then run an option that is off by default (``fused_importance_sampling``, say)
+    before its default changes (``gpu_suite.py`` writes the variable into the part's row). Bad text stops the job
+    before any weight loads."""
+    if not text:
+        return {}
+    example = '{"fused_importance_sampling": true}'
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"QERL_JOB_CONFIG is not JSON ({e}): give an object of config fields, e.g. {example}")
+    if not isinstance(overrides, dict):
+        raise SystemExit(f"QERL_JOB_CONFIG must be a JSON object of config fields, e.g. {example}; got {text!r}")
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(config_cls)})
+    if unknown:
+        raise SystemExit(f"QERL_JOB_CONFIG names no {config_cls.__name__} field: {', '.join(unknown)}")
+    return overrides
 
 
 def main() -> None:
@@ -51,7 +72,8 @@ def main() -> None:
     from qerl_trl.study.tasks import TASKS
 
     cuda = torch.cuda.is_available() and a.use_vllm
-    args = QeRLGRPOConfig(
+    overrides = job_overrides(os.environ.get("QERL_JOB_CONFIG"), QeRLGRPOConfig)
+    settings = dict(
         output_dir=os.path.join(a.out, "trainer"),
         max_steps=a.max_steps,
         save_strategy="steps",
@@ -81,6 +103,7 @@ def main() -> None:
         vllm_fp4_kernel=a.vllm_fp4_kernel,
         nvfp4_cache_dir=a.cache_dir,
     )
+    args = QeRLGRPOConfig(**{**settings, **overrides})
     if a.cache_only:  # both ranks start on an empty cache: the checkpoint must be written once, not raced
         from accelerate import PartialState
         from transformers import AutoTokenizer

@@ -94,3 +94,30 @@ def test_fsdp_is_refused_under_accelerate_launch_before_any_weight_loads(tmp_pat
     from test_examples import tiny_checkpoint
 
     refused_under_fsdp(tmp_path / "fsdp", str(tiny_checkpoint(tmp_path / "tiny")), cpu=True)
+
+
+def test_job_options_go_over_the_jobs_config_and_a_bad_one_stops_it_before_loading(tmp_path):
+    """QERL_JOB_CONFIG (``scripts/gpu_suite.py``'s way to run the multi-GPU and server jobs with an option on): its
+    fields go over the job's own; text that is not an object of config fields stops the job with what to give."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(JOB.parent))
+    from ddp_job import job_overrides
+
+    from qerl_trl import QeRLGRPOConfig
+
+    assert job_overrides(None, QeRLGRPOConfig) == {} == job_overrides("", QeRLGRPOConfig)
+    assert job_overrides('{"fused_importance_sampling": true, "vllm_lora_expand_in_gemm": true}', QeRLGRPOConfig) == {
+        "fused_importance_sampling": True, "vllm_lora_expand_in_gemm": True}
+    for text, says in [("{fused: 1}", "is not JSON"), ("[1]", "must be a JSON object"),
+                       ('{"fused_is": true}', "names no QeRLGRPOConfig field: fused_is")]:  # fmt: skip
+        with pytest.raises(SystemExit, match=says):
+            job_overrides(text, QeRLGRPOConfig)
+    # the job reads it: an unknown field stops it at the config, before any model is read (this one does not exist)
+    res = subprocess.run([sys.executable, str(JOB), "--model", str(tmp_path / "absent"), "--out", str(tmp_path)],
+                         env={**os.environ, "QERL_JOB_CONFIG": '{"fused_is": true}', "CUDA_VISIBLE_DEVICES": ""},
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode != 0 and "names no QeRLGRPOConfig field: fused_is" in res.stderr, res.stderr[-3000:]
+    assert not list(tmp_path.glob("rank*.jsonl"))
+

@@ -344,3 +344,22 @@ def test_a_signal_stops_the_suite_and_nothing_its_parts_started_outlives_it(tmp_
     rows = json.loads(next(out.glob("gpu_suite-*.json")).read_text())["rows"]
     assert [(r["part"], r["status"]) for r in rows] == [("stopped", "failed")]
     assert rows[0]["summary"].startswith("stopped after")
+
+
+def test_a_part_run_with_job_options_says_so_in_its_row(tmp_path, monkeypatch):
+    """QERL_JOB_CONFIG changes what the multi-GPU and server jobs run: a row measured with it must name it, or a pass
+    with an option on would read as a pass of the defaults."""
+    tiny = tmp_path / "test_tiny.py"
+    tiny.write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_ok():\n    pass\n")
+    monkeypatch.setitem(gpu_suite.PARTS, "tiny", ([str(tiny)], "one passing test"))
+    monkeypatch.setenv("QERL_COMMIT", "b" * 40)
+    monkeypatch.setenv("QERL_JOB_CONFIG", '{"fused_importance_sampling": true}')
+    assert gpu_suite.main(["tiny", "--record", str(tmp_path / "on")]) == 0
+    (path,) = (tmp_path / "on").iterdir()
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["status"] == "passed" and row["job_config"] == {"fused_importance_sampling": True}
+    monkeypatch.delenv("QERL_JOB_CONFIG")
+    assert gpu_suite.main(["tiny", "--record", str(tmp_path / "off")]) == 0
+    (path,) = (tmp_path / "off").iterdir()
+    (row,) = json.loads(path.read_text())["rows"]
+    assert "job_config" not in row
