@@ -279,12 +279,14 @@ def _newest(pattern: str) -> dict[str, tuple[str, dict]]:
 
 def _seen(seen: tuple[str, dict] | None) -> str:
     """'passed in 278 s at a29dbda (h100)', 'not_run at a29dbda (h100)' (the status up to its reason), or 'not yet
-    run'; '(h200, a selection)' where the row ran only some of the part's tests (a hand-merged row's ``selection``)."""
+    run'; '(h200, a selection)' where the row ran only some of the part's tests (a hand-merged row's ``selection``),
+    '(h100, with QERL_JOB_CONFIG)' where its jobs ran with options over their own."""
     if seen is None:
         return "not yet run"
     gpu, row = seen
     took = f" in {row['wall_s']:.0f} s" if row.get("wall_s") is not None else ""
-    where = f"{gpu}, a selection" if row.get("selection") else gpu
+    where = ", ".join([gpu] + ["a selection"] * bool(row.get("selection"))
+                      + ["with QERL_JOB_CONFIG"] * bool(row.get("job_config")))  # not the part as shipped
     return f"{row['status'].split(':')[0]}{took} at {str(row.get('commit'))[:7]} ({where})"
 
 

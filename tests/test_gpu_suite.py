@@ -180,7 +180,9 @@ def test_the_list_shows_each_parts_newest_record(tmp_path, monkeypatch, capsys):
     h200 = [{"part": "multi_gpu", "status": "passed", "wall_s": 446.3, "commit": "3" * 40, "when": "2026-11-26T04:45"},
             {"part": "server_qerl", "status": "passed", "wall_s": 201.4, "commit": "3" * 40, "when": "2026-11-26T02:35",
              "selection": "-k qerl"},
-            {"part": "learning", "status": "failed", "wall_s": 9.0, "commit": "3" * 40, "when": "2026-11-26T01:00"}]
+            {"part": "learning", "status": "failed", "wall_s": 9.0, "commit": "3" * 40, "when": "2026-11-26T01:00"},
+            {"part": "tensor_parallel", "status": "failed", "wall_s": 72.3, "commit": "3" * 40,
+             "when": "2026-11-28T00:40", "job_config": {"vllm_lora_expand_in_gemm": True}}]
     (tmp_path / "gpu_suite-h100.json").write_text(json.dumps({"rows": h100}))
     (tmp_path / "gpu_suite-h200.json").write_text(json.dumps({"rows": h200}))
     monkeypatch.setattr(gpu_suite, "RESULTS", str(tmp_path / "gpu_suite-*.json"))
@@ -191,6 +193,7 @@ def test_the_list_shows_each_parts_newest_record(tmp_path, monkeypatch, capsys):
     assert "passed in 201 s at 3333333 (h200, a selection)" in lines["server_qerl"]
     assert "passed in 270 s at 4444444 (h100)" in lines["learning"]
     assert "not yet run" in lines["colocate"]
+    assert "failed in 72 s at 3333333 (h200, with QERL_JOB_CONFIG)" in lines["tensor_parallel"]  # not as shipped
 
 
 def test_lanes_run_their_parts_in_order_each_on_its_own_gpu(tmp_path, monkeypatch, capsys):

@@ -52,9 +52,10 @@ def _tables(header_start: str) -> list[tuple[str, list[str], list[list[str]]]]:
     cells = lambda line: [c.strip().replace("**", "") for c in line.strip().strip("|").split("|")]  # noqa: E731
     out = []
     for i in (k for k, line in enumerate(lines) if line.startswith(header_start)):
+        indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]  # a table inside a list item is indented
         body = []
         for line in lines[i + 2 :]:
-            if not line.startswith("|"):
+            if not line.startswith(indent + "|"):
                 break
             body.append(cells(line))
         out.append(("\n".join(lines[:i]), cells(lines[i]), body))
@@ -329,3 +330,45 @@ def test_the_h100_expand_in_gemm_table_is_its_runs_rows():
         gaps = row["logp_gap_mean_per_step"]
         assert _close(low, min(gaps)) and _close(high, max(gaps))
     assert len(body) == 2
+
+
+def test_the_h100_host_target_table_is_the_json_rows():
+    """Issue #55's four target settings in one call on a 4-H100 host (one setting a GPU, its arms back to back): every
+    cell from its row, the arm's options from the row's flags, and each ratio against the TRL row of its own run."""
+    rows = _rows("e2e_step-h100.json")
+    ((_, header, body),) = _tables("| H100 host 7B setting, arm |")
+    assert header[1:] == ["run (commit)", "step", "rollout / sync / training pass", "peak", "TRL ÷ this"]
+    arms = {"TRL BF16 LoRA": ("trl_bf16", False, False), "QeRL as shipped": ("qerl_single_lora", False, False),
+            "QeRL, fused pass": ("qerl_single_lora", True, False),
+            "QeRL, fused pass + expand": ("qerl_single_lora", True, True)}
+    settings = set()
+    for cells in body:
+        setting, arm_text = cells[0].split(": ")
+        shape, sleep = setting.split(", ")
+        prompts, generations, length = map(int, shape.split(" × "))
+        run, commit = re.fullmatch(r"(\S+) \((\w+)\)", cells[1]).groups()
+        arm, fused, expand = arms[arm_text]
+        (row,) = [r for r in rows if r.get("run") == run and r["arm"] == arm and bool(r.get("fused_is")) == fused
+                  and bool(r.get("expand_in_gemm")) == expand]  # fmt: skip
+        assert row["status"] == "ok" and row["commit"].startswith(commit)
+        assert (row["prompts"], row["generations"], row["completion_len"], row["sleep"]) == (
+            prompts, generations, length, sleep == "sleep")
+        _check_step_cells(cells, row)
+        assert _close(NUMBER.findall(cells[4])[0], row["peak_gib"])
+        assert _close(NUMBER.findall(cells[5])[0], row["speedup_vs_trl_bf16"])
+        settings.add(setting)
+    assert len(body) == 11 and len(settings) == 4
+
+
+def test_the_h100_expand_rollout_table_is_the_json_rows():
+    """The rollout A/B of the expand in Humming's GEMM against the LoRA pair (one call): each cell from its row."""
+    rows = [r for r in _rows("rollout-h100.json") if r.get("run") == "d513e85-h100x4-callA" and r["status"] == "ok"]
+    ((_, header, body),) = _tables("  | H100 7B batch |")
+    assert header[1:] == ['`"qerl"` as shipped (the pair)', "expand in the GEMM", "expand ÷ pair"]
+    for cells in body:
+        batch = int(cells[0])
+        (pair,) = [r for r in rows if r["arm"] == "nvfp4_qerl_lora" and r["batch"] == batch]
+        (expand,) = [r for r in rows if r["arm"] == "nvfp4_qerl_lora_expand" and r["batch"] == batch]
+        assert _close(cells[1], pair["tokens_per_s"]) and _close(cells[2], expand["tokens_per_s"])
+        assert _close(NUMBER.findall(cells[3])[0], expand["tokens_per_s"] / pair["tokens_per_s"])
+    assert [int(c[0]) for c in body] == [1, 16, 64, 128]
