@@ -138,8 +138,9 @@ class QeRLGRPOConfig(GRPOConfig):
             `gradient_accumulation_steps` a multiple of `steps_per_generation`): with `True` anything else is
             refused; with `None` the fused pass runs where the rounds allow it and TRL's forward elsewhere. TRL's
             `sampling/*` metrics are then logged per micro-batch, and the rollout guard judges a round when the next
-            one starts (the last one when training ends). 1.18x the step at 7B 8x8x512 with sleep mode on an H200
-            (docs/benchmarks.md). Off by default until the GPU suite passes with it on (docs/testing.md).
+            one starts (the last one when training ends). 1.18x the step at 7B 8x8x512 with sleep mode on an H200, and
+            1.13x at 7B 2x8x512 on an H100, each against QeRL without it in the same call (docs/benchmarks.md). Off
+            by default until the GPU suite's training parts pass with it as the default (docs/testing.md).
 
     > [!NOTE]
     > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
