@@ -82,18 +82,19 @@ class QeRLGRPOConfig(GRPOConfig):
             its first forward: Humming's own kernels for decode batches up to the engine's `max_num_seqs`, and above
             it one kernel per doubling of the rows up to `max_num_batched_tokens` (prefill chunks; any larger M
             still runs): at most 10 kernels a 7B layer shape at 16 sequences an engine, where Humming's has 33. Cuts a
-            cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is unchanged. Off by default:
-            this table has not run on a GPU (issue #55 item 4; the first form, which only cut the table at the token
-            budget, ran and compiled as many kernels as without it).
+            cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is unchanged. Off by default
+            (issue #55 item 4): its first cold start on an H100 compiled 33 kernels for 7B, against 132 without it,
+            and the trainer started in 123 s; no call has yet timed TRL's start beside it (`docs/vllm.md`).
         vllm_lora_expand_in_gemm (`bool`, defaults to `False`):
             With `vllm_lora_backend="qerl"` on Humming, in colocate mode: the LoRA's B becomes extra input columns of
             each linear's NVFP4 weight, so one Humming GEMM adds the base and the LoRA (`[x | x Aᵀ] @ [W | B]ᵀ`) and
             each linear runs one LoRA launch instead of two. B then runs in NVFP4 in the rollouts (quantized at each
             sync against the layer's own second scale), which can widen the trainer-vs-vLLM log-prob gap that TRL's
             importance-sampling correction absorbs. Layers on Marlin, or whose input width on a rank is not a multiple
-            of 128 (`docs/vllm.md`), keep the two-launch pair. Off by default (issue #55): at 7B on one H100 the
-            rollout was 10% shorter and each sync 0.16 s longer, with the same log-prob gap (`docs/benchmarks.md`);
-            it has not yet run with sleep mode or on several GPUs.
+            of 128 (`docs/vllm.md`), keep the two-launch pair. Off by default (issue #55): it decodes 1.02-1.07x
+            the pair at 7B on an H100, but each sync takes 0.13-0.23 s longer, so a GRPO step is no faster (beside
+            the fused pass, 4.36 s against 4.31 s without sleep mode and 4.89 against 4.52 s with it), with the same
+            log-prob gap (`docs/benchmarks.md`).
         vllm_max_lora_rank (`int`, *optional*):
             With `vllm_lora_backend="vllm"`: vLLM's `max_lora_rank`. Defaults to the smallest rank vLLM accepts
             (1, 8, 16, 32, 64, 128, 256, 320, 512) that is ≥ the LoRA rank; a LoRA rank that is not in that list is
