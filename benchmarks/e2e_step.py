@@ -33,8 +33,9 @@ over the round). Each row runs in its own process (a fresh CUDA context and vLLM
 the steps after the first (``--steps 6``: five measured steps; ``step_s_min`` / ``step_s_max`` over them):
 ``step_s`` (optimizer step to optimizer step, CUDA-synchronized), ``rollout_s`` (vLLM ``generate``, or HF
 generation), ``sync_s`` (the trainer's weight/adapter push into vLLM; QeRL rows split it by phase in
-``sync_phases_per_step``; ``QERL_E2E_PROFILE_SYNC=1`` adds its cProfile as ``sync_profile``), ``train_s`` (the rest:
-log-probs, loss, backward, optimizer), ``peak_gib`` (device memory in use, sampled every 20 ms by NVML during the
+``sync_phases_per_step``; ``QERL_E2E_PROFILE_SYNC=1`` adds its cProfile as ``sync_profile``;
+``QERL_E2E_PROFILE_ROLLOUT=N`` profiles step N's rollout with torch's profiler: ``rollout_profile``), ``train_s``
+(the rest: log-probs, loss, backward, optimizer), ``peak_gib`` (device memory in use, sampled every 20 ms by NVML during the
 training steps: vLLM's pools included; ``peak_gib_by_phase``: the same in the rollouts, the syncs and the rest) and
 ``torch_peak_gib``. An OOM or a failure is a row with its ``status``.
 Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the arms back to back), and
@@ -322,6 +323,51 @@ class _Timed:
         return t
 
 
+class _profile_round:
+    """torch's profiler over the ``index``-th call (1-based) of a bound method (``QERL_E2E_PROFILE_ROLLOUT=N``: the
+    rollout of step N). Issue #55: at 7B 8 x 8 x 512 on an H100, QeRL's rollout phase ran at 6337 tokens/s where its
+    engine decodes about 9100 alone, and TRL's at 7417; the profile says whether the round's time is GPU work (by
+    :mod:`benchmarks.decode_profile`'s kernel categories; in a BF16 arm every linear is a "logits_gemm") or the GPU
+    waiting on the host. Wrap it around the rollout timer: the profiled step's own timings then include CUPTI's cost,
+    and the row's medians exclude at most that one step of five."""
+
+    def __init__(self, obj: Any, name: str, index: int):
+        self.calls, self.index, self.result = 0, index, None
+        original = getattr(obj, name)
+
+        def wrapped(*a, **kw):
+            self.calls += 1
+            if self.calls != self.index:
+                return original(*a, **kw)
+            import torch
+
+            from benchmarks.decode_profile import gpu_events, summarize
+
+            _sync()
+            t0 = time.perf_counter()
+            kinds = torch.profiler.ProfilerActivity
+            with torch.profiler.profile(activities=[kinds.CUDA if torch.cuda.is_available() else kinds.CPU]) as prof:
+                out = original(*a, **kw)
+                _sync()
+            wall_ms = (time.perf_counter() - t0) * 1000
+            self.result = self.summary(summarize(gpu_events(prof)), wall_ms)
+            return out
+
+        setattr(obj, name, wrapped)
+
+    def summary(self, events: dict[str, Any], wall_ms: float) -> dict[str, Any]:
+        """One round in milliseconds: its wall time, the GPU's busy time and the rest (the GPU waiting on the host,
+        across the round), the time by kernel category and the 15 costliest kernels."""
+        busy = events["busy_us"] / 1000
+        top = sorted(events["by_name"].items(), key=lambda kv: -kv[1][0])[:15]
+        return {"step": self.index, "wall_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy, 1),
+                "gpu_idle_ms": round(wall_ms - busy, 1), "gpu_span_ms": round(events["span_us"] / 1000, 1),
+                "ms_by_category": {c: round(us / 1000, 1) for c, us in
+                                   sorted(events["us_by_category"].items(), key=lambda kv: -kv[1])},
+                "top_kernels": [{"kernel": n[:140], "ms": round(us / 1000, 1), "calls": calls}
+                                for n, (us, calls) in top]}  # fmt: skip
+
+
 class _profile_calls:
     """cProfile over every call of a bound method (``QERL_E2E_PROFILE_SYNC=1``: the sync's hot spots in the row)."""
 
@@ -539,6 +585,11 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
             sync_t, roll_t = _Timed(gen, "sync_weights", mem, "sync"), _Timed(gen, "generate", mem, "rollout")
         else:
             sync_t, roll_t = None, _Timed(trainer, "_generate_single_turn", mem, "rollout")
+        profiled_step = int(os.environ.get("QERL_E2E_PROFILE_ROLLOUT") or 0)
+        rollout_profile = None
+        if profiled_step:  # outside the rollout timer (set just above), so that step's time includes the profiler's
+            rollout_profile = _profile_round(gen, "generate", profiled_step) if gen is not None else _profile_round(
+                trainer, "_generate_single_turn", profiled_step)
         per_step: list[dict] = []
         sync_phases: list[dict] = []
 
@@ -582,6 +633,9 @@ def run_row(spec: RowSpec, work: str, steps: int, card_gib: float | None = None)
         row["sync_phases_per_step"] = sync_phases
     if profile is not None:
         row["sync_profile"] = profile.report()
+    if rollout_profile is not None:
+        row["rollout_profile"] = rollout_profile.result or {"step": rollout_profile.index,
+                                                            "status": f"not profiled: {rollout_profile.calls} calls"}
     row["step_s_min"] = round(min(s["step_s"] for s in measured), 3)
     row["step_s_max"] = round(max(s["step_s"] for s in measured), 3)
     lengths = [h.get("completions/mean_length") for h in logs]

@@ -34,7 +34,8 @@ def tiny(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arm", ["qerl", "trl_bf16"])
-def test_an_arm_trains_and_reports_a_full_row(tiny, arm, tmp_path):
+def test_an_arm_trains_and_reports_a_full_row(tiny, arm, tmp_path, monkeypatch):
+    monkeypatch.setenv("QERL_E2E_PROFILE_ROLLOUT", "2")  # step 2's rollout under torch's profiler
     work = str(tmp_path)
     e2e.prepare_checkpoints(work, tiny, need_bf16=arm != "qerl")
     spec = e2e.RowSpec(tiny, arm, prompts=2, generations=4, completion_len=6, sleep=False, generation="hf")
@@ -47,6 +48,9 @@ def test_an_arm_trains_and_reports_a_full_row(tiny, arm, tmp_path):
     assert row["sync_s"] == 0.0  # no vLLM: nothing to sync
     assert abs(row["step_s"] - (row["rollout_s"] + row["sync_s"] + row["train_s"])) < 1e-2
     assert all(x is not None for x in row["losses"]) and row["tokens_per_step"] == 2 * 4 * 6
+    prof = row["rollout_profile"]  # no GPU here: the round's wall time, and no kernel
+    assert prof["step"] == 2 and prof["wall_ms"] > 0 and prof["gpu_busy_ms"] == 0 and prof["top_kernels"] == []
+    assert prof["wall_ms"] >= 1000 * row["rollout_s_per_step"][1] * 0.5
 
 
 def test_32b_bf16_rows_are_recorded_not_run(tmp_path):
@@ -352,3 +356,30 @@ def test_rows_record_how_closely_vllm_served_the_policy_from_the_logged_metrics(
     assert out["is_ratio_min_per_step"] == [0.5, None] and out["is_ratio_max_per_step"] == [1.7, None]
     assert out["guard_bad_rounds"] == 1 and out["guard_last_gap"] == 2.5
     assert "guard_bad_rounds" not in e2e.rollout_agreement(logs, None)  # TRL's arms: no guard
+
+
+def test_a_rounds_profile_splits_its_time_into_gpu_work_by_kind_and_the_gpu_waiting(monkeypatch):
+    """QERL_E2E_PROFILE_ROLLOUT=N: only the N-th rollout is profiled, what it returns is passed on, and the row gets
+    its wall time, the GPU's busy time by decode_profile's categories, the idle rest and the costliest kernels."""
+    from benchmarks import decode_profile
+
+    events = [("humming_gemm_kernel", 0.0, 400.0), ("qerl_lora_shrink", 300.0, 500.0),  # overlapping: busy once
+              ("flash_fwd_kernel", 600.0, 700.0), ("memcpy HtoD", 900.0, 950.0)]
+    monkeypatch.setattr(decode_profile, "gpu_events", lambda prof: events)
+
+    class Engine:
+        def generate(self, x):
+            return x * 2
+
+    engine = Engine()
+    prof = e2e._profile_round(engine, "generate", 2)
+    assert engine.generate(1) == 2 and prof.result is None  # the first round runs as it is
+    assert engine.generate(3) == 6 and prof.result is not None
+    out = prof.result
+    assert out["step"] == 2 and out["gpu_busy_ms"] == 0.7 and out["gpu_span_ms"] == 0.9
+    assert out["gpu_idle_ms"] == pytest.approx(out["wall_ms"] - 0.7, abs=0.11)
+    assert out["ms_by_category"] == {"fp4_gemm": 0.4, "lora": 0.2, "attention": 0.1, "copy": 0.1}
+    assert [k["kernel"] for k in out["top_kernels"]][:2] == ["humming_gemm_kernel", "qerl_lora_shrink"]
+    first = out
+    assert engine.generate(4) == 8 and prof.result is first and prof.calls == 3  # later rounds: not again
+
