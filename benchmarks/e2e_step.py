@@ -36,8 +36,8 @@ generation), ``sync_s`` (the trainer's weight/adapter push into vLLM; QeRL rows 
 ``sync_phases_per_step``; ``QERL_E2E_PROFILE_SYNC=1`` adds its cProfile as ``sync_profile``;
 ``QERL_E2E_PROFILE_ROLLOUT=N`` profiles step N's rollout with torch's profiler: ``rollout_profile``), ``train_s``
 (the rest: log-probs, loss, backward, optimizer), ``peak_gib`` (device memory in use, sampled every 20 ms by NVML
-during the training steps: vLLM's pools included; ``peak_gib_by_phase``: the same in the rollouts, the syncs and the rest) and
-``torch_peak_gib``. An OOM or a failure is a row with its ``status``.
+during the training steps: vLLM's pools included; ``peak_gib_by_phase``: the same in the rollouts, the syncs and the
+rest) and ``torch_peak_gib``. An OOM or a failure is a row with its ``status``.
 Every row keeps its ``commit`` and its ``run`` (one invocation: one machine, the arms back to back), and
 ``speedup_vs_trl_bf16`` is computed only against the TRL row of the same run.
 
