@@ -198,11 +198,20 @@ def record(out_dir: str, part: str, rc: int, summary: str, seconds: float, uuid:
     if note:
         row["note"] = note
     if os.environ.get("QERL_JOB_CONFIG"):  # the multi-GPU and server jobs ran with these options over their own
-        row["job_config"] = json.loads(os.environ["QERL_JOB_CONFIG"])
+        row["job_config"] = _job_config(os.environ["QERL_JOB_CONFIG"])
     path = os.path.join(out_dir, f"gpu_suite-{gpu_tag()}.json")
     rows = [r for r in _rows(path) if not (r["part"] == part and r["commit"] == commit)] + [row]
     command = "python scripts/gpu_suite.py PART --record " + out_dir + " (one row per part)"
     return write_result("gpu_suite", rows, out_dir, command)
+
+
+def _job_config(text: str) -> object:
+    """``QERL_JOB_CONFIG`` as the row keeps it: the parsed object, or the text as given where it is not JSON (the
+    jobs then stopped at their config; the part's row must still be written, saying so)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 #: what a lane's pytest must not inherit: another lane's GPUs and rendezvous (TRL 1.16 picks a free port when

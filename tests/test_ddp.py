@@ -120,4 +120,3 @@ def test_job_options_go_over_the_jobs_config_and_a_bad_one_stops_it_before_loadi
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode != 0 and "names no QeRLGRPOConfig field: fused_is" in res.stderr, res.stderr[-3000:]
     assert not list(tmp_path.glob("rank*.jsonl"))
-

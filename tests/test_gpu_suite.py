@@ -361,6 +361,11 @@ def test_a_part_run_with_job_options_says_so_in_its_row(tmp_path, monkeypatch):
     (path,) = (tmp_path / "on").iterdir()
     (row,) = json.loads(path.read_text())["rows"]
     assert row["status"] == "passed" and row["job_config"] == {"fused_importance_sampling": True}
+    monkeypatch.setenv("QERL_JOB_CONFIG", "{fused: 1}")  # not JSON: the jobs refuse it, the row still says it
+    assert gpu_suite.main(["tiny", "--record", str(tmp_path / "bad")]) == 0
+    (path,) = (tmp_path / "bad").iterdir()
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["job_config"] == "{fused: 1}"
     monkeypatch.delenv("QERL_JOB_CONFIG")
     assert gpu_suite.main(["tiny", "--record", str(tmp_path / "off")]) == 0
     (path,) = (tmp_path / "off").iterdir()
