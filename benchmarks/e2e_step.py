@@ -133,8 +133,9 @@ class RowSpec:
 def parse_arm(text: str) -> dict[str, Any]:
     """``"trl_bf16:mb16:nogc"`` -> ``{"arm": "trl_bf16", "micro_batch": 16, "grad_ckpt": False, "fused_is": False}``:
     an arm of :data:`ARMS`, optionally at another micro-batch (``:mbN``), without gradient checkpointing
-    (``:nogc``) or, for a QeRL arm, with ``fused_importance_sampling`` (``:fis``), so each arm can run at its own
-    best settings beside the others; ``qerl_single_lora:ahead``: ``vllm_humming_compile_ahead``;
+    (``:nogc``) or, for a QeRL arm, with ``fused_importance_sampling`` (``:fis``; without it the arm passes
+    ``False``, so a QeRL arm as shipped, whose default ``None`` takes the fused pass here, is ``:fis``), so each arm
+    can run at its own best settings beside the others; ``qerl_single_lora:ahead``: ``vllm_humming_compile_ahead``;
     ``qerl_single_lora:expand``: ``vllm_lora_expand_in_gemm``."""
     arm, *options = text.split(":")
     if arm not in ARMS:
@@ -676,9 +677,43 @@ def rollout_agreement(logs: list[dict], guard: Any) -> dict:
 def _child(spec: RowSpec, work: str, steps: int, out: str, card_gib: float | None = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+
+    ahead = logging.getLogger("qerl_trl.vllm_plugin.humming_ahead")  # its timing lines: the row's engine_phases
+    ahead.setLevel(logging.INFO)
+    ahead.addHandler(logging.StreamHandler())
     row = run_row(spec, work, steps, card_gib)
     with open(out, "w") as f:
         json.dump(row, f, default=str)
+
+
+#: what a trainer start spends its time on, from the lines vLLM 0.24 (and ``humming_ahead``) log while the engine
+#: starts: name -> (pattern, how several matches combine). Issue #55 item 4 (a cold start within TRL's + 30 s).
+ENGINE_LOG_PHASES = {
+    "load_weights_s": (r"Loading weights took ([\d.]+) seconds", "first"),
+    "model_loading_s": (r"Model loading took [\d.]+ GiB (?:memory )?and ([\d.]+) seconds", "first"),
+    "dynamo_s": (r"Dynamo bytecode transform time: ([\d.]+) s", "sum"),
+    "inductor_s": (r"Compiling a graph for compile range .*? takes ([\d.]+) s", "sum"),
+    "torch_compile_s": (r"torch\.compile took ([\d.]+) s in total", "first"),
+    "memory_profiling_s": (r"Memory profiling takes ([\d.]+) seconds", "first"),
+    "cuda_graphs_s": (r"Graph capturing finished in ([\d.]+) secs", "first"),
+    "init_engine_s": (r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)", "first"),
+    "humming_ahead_last_done_s": (r"compiled Humming's kernels ahead for .*? ([\d.]+) s after the first was queued",
+                                  "last"),
+}
+
+
+def engine_log_phases(log: str) -> dict[str, float]:
+    """The start-up phases a child's log names (:data:`ENGINE_LOG_PHASES`), in seconds; a phase the log does not name
+    is left out (a warm torch.compile cache logs no inductor compile, say)."""
+    import re
+
+    phases: dict[str, float] = {}
+    for name, (pattern, how) in ENGINE_LOG_PHASES.items():
+        found = [float(m) for m in re.findall(pattern, log)]
+        if found:
+            phases[name] = round(sum(found) if how == "sum" else found[0] if how == "first" else found[-1], 2)
+    return phases
 
 
 def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout: float, run: str,
@@ -718,10 +753,13 @@ def run_matrix(specs: list[RowSpec], work: str, steps: int, jsonl: str, timeout:
                 env = own_rendezvous(os.environ)  # runs side by side on a host
                 if cold_humming and spec.arm in QERL_ARMS:
                     env["HUMMING_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"humming-{run}-", dir=work)
-                res = run_child(cmd, timeout, env=env)
+                log = os.path.join(work, f"row-{run}.log")
+                res = run_child(cmd, timeout, env=env, log_path=log)
                 if not res.timed_out and os.path.exists(out):
                     with open(out) as f:
                         row = json.load(f)
+                    with open(log, errors="replace") as f:
+                        row["engine_phases"] = engine_log_phases(f.read())
                 else:
                     row = dict(dataclasses.asdict(spec), status=res.status, log_tail=res.log[-2500:])
             row["row_wall_s"] = round(time.perf_counter() - t0, 1)
@@ -793,7 +831,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps per row; the median is over all but the first")
     ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints and trainer outputs")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
-    ap.add_argument("--jsonl", default=None, help="append each row here as it finishes (default: <out-dir>/e2e_step-rows.jsonl)")
+    ap.add_argument("--jsonl", default=None,
+                    help="append each row here as it finishes (default: <out-dir>/e2e_step-rows.jsonl)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per row before it is recorded as a timeout")
     ap.add_argument("--card-gib", type=float, default=None, help="on a larger GPU, give vLLM the memory it would "
                     f"get on a card of this many GiB (e.g. {H100_80GB_GIB}: does the row fit an 80 GB H100)")

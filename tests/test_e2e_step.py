@@ -294,8 +294,10 @@ def test_cold_humming_gives_each_qerl_row_an_empty_kernel_cache_of_its_own(tmp_p
 
     seen = []
 
-    def fake_child(cmd, timeout, env):
+    def fake_child(cmd, timeout, env, log_path):
         spec = json.loads(cmd[cmd.index("--child") + 1])
+        with open(log_path, "w") as f:
+            f.write(f"INFO [default_loader.py:431] Loading weights took {len(seen) + 1}.50 seconds\n")
         cache = env.get("HUMMING_CACHE_DIR")
         seen.append((spec["arm"], cache))
         if cache:
@@ -313,12 +315,38 @@ def test_cold_humming_gives_each_qerl_row_an_empty_kernel_cache_of_its_own(tmp_p
     specs = e2e.select(e2e.default_matrix(arms), ["7b"], arms, ["2x8-512-nosleep"])
     rows = e2e.run_matrix(specs, str(tmp_path), 2, str(tmp_path / "rows.jsonl"), 60, "r1", cold_humming=True)
     assert [r["status"] for r in rows] == ["ok"] * 3
+    assert [r["engine_phases"] for r in rows] == [{"load_weights_s": 1.5}, {"load_weights_s": 2.5},
+                                                  {"load_weights_s": 3.5}]  # each row's own log
     assert seen[0] == ("trl_bf16", None)
     caches = [c for _, c in seen[1:]]
     assert len(set(caches)) == 2 and all(c.startswith(str(tmp_path)) for c in caches)
     seen.clear()
     e2e.run_matrix(specs, str(tmp_path), 2, str(tmp_path / "rows.jsonl"), 60, "r2")
     assert [c for _, c in seen] == [None, None, None]
+
+
+def test_a_rows_start_up_phases_come_from_the_lines_vllm_logs():
+    """Issue #55 item 4: where a cold trainer start's time goes (weights, torch.compile, memory profiling with
+    Humming's first forward, CUDA graphs). The lines are vLLM 0.24's own format strings, filled in."""
+    log = "\n".join([
+        "(EngineCore pid=1) INFO 11-28 [default_loader.py:431] Loading weights took %.2f seconds" % 3.21,
+        "INFO [gpu_model_runner.py:5256] Model loading took %s GiB memory and %.6f seconds" % ("5.6", 9.123456),
+        "INFO [backends.py:1149] Dynamo bytecode transform time: %.2f s" % 8.5,
+        "INFO [backends.py:394] Compiling a graph for compile range %s takes %.2f s" % ("(1, 8192)", 20.25),
+        "INFO [backends.py:394] Compiling a graph for compile range %s takes %.2f s" % ("(1, 16)", 1.75),
+        "INFO [monitor.py:20] torch.compile took %.2f s in total" % 31.0,
+        "INFO [mem_utils.py:217] Memory profiling takes %.2f seconds. the current vLLM instance can use" % 40.5,
+        "INFO [gpu_model_runner.py:6657] Graph capturing finished in %.0f secs, took %.2f GiB" % (12, 0.4),
+        "INFO [core.py:345] init engine (profile, create kv cache, warmup model) took %.2f s" % 60.0,
+        "qerl-trl: compiled Humming's kernels ahead for layer config 1 of 4 in 5.0 s, 5.5 s after the first was "
+        "queued",
+        "qerl-trl: compiled Humming's kernels ahead for layer config 4 of 4 in 9.0 s, 30.5 s after the first was "
+        "queued",
+    ])  # fmt: skip
+    assert e2e.engine_log_phases(log) == {
+        "load_weights_s": 3.21, "model_loading_s": 9.12, "dynamo_s": 8.5, "inductor_s": 22.0, "torch_compile_s": 31.0,
+        "memory_profiling_s": 40.5, "cuda_graphs_s": 12.0, "init_engine_s": 60.0, "humming_ahead_last_done_s": 30.5}
+    assert e2e.engine_log_phases("nothing logged") == {}
 
 
 def test_the_memory_peak_is_kept_by_phase_of_the_step():

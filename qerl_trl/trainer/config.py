@@ -132,7 +132,7 @@ class QeRLGRPOConfig(GRPOConfig):
 
         > Training pass
 
-        fused_importance_sampling (`bool` or `None`, defaults to `False`):
+        fused_importance_sampling (`bool` or `None`, defaults to `None`):
             Take the trainer's log-probs of vLLM's importance-sampling ratio from each micro-batch's training
             forward, instead of the separate no-grad forward over the whole round that TRL runs for them: one
             forward fewer a step, the same ratio and loss. On-policy rounds only (`num_iterations=1`,
@@ -140,8 +140,8 @@ class QeRLGRPOConfig(GRPOConfig):
             refused; with `None` the fused pass runs where the rounds allow it and TRL's forward elsewhere. TRL's
             `sampling/*` metrics are then logged per micro-batch, and the rollout guard judges a round when the next
             one starts (the last one when training ends). 1.18x the step at 7B 8x8x512 with sleep mode on an H200, and
-            1.13x at 7B 2x8x512 on an H100, each against QeRL without it in the same call (docs/benchmarks.md). Off
-            by default until the GPU suite's training parts pass with it as the default (docs/testing.md).
+            1.13x at 7B 2x8x512 on an H100, each against QeRL without it in the same call (docs/benchmarks.md).
+            `False` always runs TRL's separate forward.
 
     > [!NOTE]
     > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
@@ -256,7 +256,7 @@ class QeRLGRPOConfig(GRPOConfig):
                   "so qerl_trl.trainer.moe_routing.check_routing can compare them with the trainer's router."},
     )
     fused_importance_sampling: bool | None = field(
-        default=False,
+        default=None,
         metadata={"help": "Build vLLM's importance-sampling ratio from each micro-batch's training forward instead of "
                   "a separate forward over the round (one forward fewer a step; on-policy rounds only; None: where "
                   "the rounds allow it)."},
@@ -297,7 +297,7 @@ class QeRLGRPOConfig(GRPOConfig):
             raise ValueError(f"lora_r must be an integer >= 1 (the LoRA rank; the paper uses 32), got {self.lora_r!r}.")
         if not _is_number(self.lora_alpha) or not math.isfinite(self.lora_alpha) or self.lora_alpha <= 0:
             raise ValueError(
-                f"lora_alpha must be a finite number > 0 (the LoRA scale is lora_alpha / lora_r; QeRL uses 2 x lora_r), "
+                "lora_alpha must be a finite number > 0 (the LoRA scale is lora_alpha / lora_r; QeRL uses 2 x lora_r), "
                 f"got {self.lora_alpha!r}."
             )
         if not _is_number(self.lora_dropout) or not 0 <= self.lora_dropout < 1:
@@ -328,7 +328,8 @@ class QeRLGRPOConfig(GRPOConfig):
                 "vllm_lora_backend='qerl', vllm_fp4_kernel='auto' or 'humming' and vllm_mode='colocate', or leave "
                 "vllm_lora_expand_in_gemm off."
             )
-        if self.vllm_max_lora_rank is not None and (not _is_int(self.vllm_max_lora_rank) or self.vllm_max_lora_rank < 1):
+        rank = self.vllm_max_lora_rank
+        if rank is not None and (not _is_int(rank) or rank < 1):
             raise ValueError(
                 f"vllm_max_lora_rank must be None (fit it to the LoRA rank) or an integer >= 1, got "
                 f"{self.vllm_max_lora_rank!r}."

@@ -27,6 +27,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -112,6 +113,7 @@ class KernelsAhead:
         self._todo: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._first_queued: float | None = None
         self.done: list[tuple] = []
         self.failed: list[tuple[tuple, str]] = []
 
@@ -121,6 +123,8 @@ class KernelsAhead:
             if key in self._seen:
                 return False
             self._seen.add(key)
+            if self._first_queued is None:
+                self._first_queued = time.perf_counter()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="qerl-humming-ahead", daemon=True)
                 self._thread.start()
@@ -131,8 +135,13 @@ class KernelsAhead:
         while True:
             key = self._todo.get()
             try:
+                t0 = time.perf_counter()
                 self._prepare(*key)
                 self.done.append(key)
+                # INFO, read by benchmarks/e2e_step.py's start-up phases: how far ahead of the first forward it ran
+                logger.info("qerl-trl: compiled Humming's kernels ahead for layer config %d of %d in %.1f s, %.1f s "
+                            "after the first was queued", len(self.done), len(self._seen), time.perf_counter() - t0,
+                            time.perf_counter() - self._first_queued)  # fmt: skip
             except Exception as e:  # the forward compiles it as it would have; say why the head start was lost
                 self.failed.append((key, repr(e)))
                 logger.warning("qerl-trl: compiling Humming's kernels ahead failed (%r); the engine compiles them at "
