@@ -677,11 +677,15 @@ def rollout_agreement(logs: list[dict], guard: Any) -> dict:
 def _child(spec: RowSpec, work: str, steps: int, out: str, card_gib: float | None = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # TRL 1.16 sets vLLM's level to ERROR when unset (trl._compat._patch_vllm_logging): the start-up lines of the
+    # row's engine_phases are INFO (an H200 cold-start row at 02f21fa had none of them)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     import logging
 
     ahead = logging.getLogger("qerl_trl.vllm_plugin.humming_ahead")  # its timing lines: the row's engine_phases
     ahead.setLevel(logging.INFO)
-    ahead.addHandler(logging.StreamHandler())
+    if not ahead.handlers:
+        ahead.addHandler(logging.StreamHandler())
     row = run_row(spec, work, steps, card_gib)
     with open(out, "w") as f:
         json.dump(row, f, default=str)

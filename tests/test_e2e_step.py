@@ -349,6 +349,26 @@ def test_a_rows_start_up_phases_come_from_the_lines_vllm_logs():
     assert e2e.engine_log_phases("nothing logged") == {}
 
 
+def test_a_row_child_logs_vllms_start_up_lines(tmp_path, monkeypatch):
+    """TRL sets vLLM's log level to ERROR unless it is set; the child sets INFO first, so the row's engine_phases
+    have vLLM's lines to read, and the compile-ahead thread's timing lines reach its output."""
+    import logging
+
+    seen = {}
+
+    def fake_row(spec, work, steps, card_gib):
+        seen["level"] = os.environ.get("VLLM_LOGGING_LEVEL")
+        seen["ahead"] = logging.getLogger("qerl_trl.vllm_plugin.humming_ahead").isEnabledFor(logging.INFO)
+        return {"status": "ok"}
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setattr(e2e, "run_row", fake_row)
+    spec = e2e.default_matrix(["qerl_single_lora:ahead"])[0]
+    e2e._child(spec, str(tmp_path), 2, str(tmp_path / "row.json"))
+    assert seen == {"level": "INFO", "ahead": True}
+    assert json.loads((tmp_path / "row.json").read_text()) == {"status": "ok"}
+
+
 def test_the_memory_peak_is_kept_by_phase_of_the_step():
     """Issue #54: the 30B-A3B row peaked at 62.9 GiB, and nothing said whether in the rollout (the engine awake beside
     the trainer) or in the training pass. Each ``_Timed`` call is its sampler's phase while it runs."""
