@@ -372,3 +372,22 @@ def test_the_h100_expand_rollout_table_is_the_json_rows():
         assert _close(cells[1], pair["tokens_per_s"]) and _close(cells[2], expand["tokens_per_s"])
         assert _close(NUMBER.findall(cells[3])[0], expand["tokens_per_s"] / pair["tokens_per_s"])
     assert [int(c[0]) for c in body] == [1, 16, 64, 128]
+
+
+def test_the_8x8_rollout_profile_table_is_the_json_rows():
+    """The GPU time of one profiled 8 x 8 x 512 rollout round, QeRL against TRL (one call): each cell from its row's
+    ``rollout_profile``."""
+    ((before, header, body),) = _tables("  | 8 × 8 × 512 round, GPU ms |")
+    run = RUN.findall(before)[-1]
+    rows = {r["arm"]: r["rollout_profile"] for r in _rows("e2e_step-h200.json") if r.get("run") == run}
+    assert header[1:] == ["QeRL", "TRL BF16 LoRA"] and set(rows) == {"qerl_single_lora", "trl_bf16"}
+    keys = {"FP4 GEMMs (Humming)": "fp4_gemm", "LoRA (shrink and expand)": "lora",
+            "cuBLAS GEMMs (the lm_head; for TRL every linear)": "logits_gemm", "attention": "attention",
+            "norms, rope, activation": "norm_rope_act", "copies": "copy", "sampling": "sampling",
+            "GPU busy": None}  # fmt: skip
+    assert [c[0] for c in body] == list(keys)
+    for cells in body:
+        for printed, arm in zip(cells[1:], ("qerl_single_lora", "trl_bf16"), strict=True):
+            p = rows[arm]
+            value = p["gpu_busy_ms"] if keys[cells[0]] is None else p["ms_by_category"].get(keys[cells[0]])
+            assert (printed == "–") if value is None else _close(printed, value), (cells[0], arm)

@@ -84,7 +84,8 @@ class QeRLGRPOConfig(GRPOConfig):
             still runs): at most 10 kernels a 7B layer shape at 16 sequences an engine, where Humming's has 33. Cuts a
             cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is unchanged. Off by default
             (issue #55 item 4): its first cold start on an H100 compiled 33 kernels for 7B, against 132 without it,
-            and the trainer started in 123 s; no call has yet timed TRL's start beside it (`docs/vllm.md`).
+            and the trainer started in 123 s; beside TRL's on an H200, 110.9 s against TRL's 104.5 s in one call
+            (`docs/vllm.md`). Not yet run with sleep mode.
         vllm_lora_expand_in_gemm (`bool`, defaults to `False`):
             With `vllm_lora_backend="qerl"` on Humming, in colocate mode: the LoRA's B becomes extra input columns of
             each linear's NVFP4 weight, so one Humming GEMM adds the base and the LoRA (`[x | x Aᵀ] @ [W | B]ᵀ`) and
