@@ -128,6 +128,14 @@ def test_humming_compile_ahead_reaches_the_engine_spec_only_on_humming_in_layer_
     assert QeRLGRPOConfig(**common, vllm_humming_compile_ahead=True).vllm_humming_compile_ahead is True
     with pytest.raises(ValueError, match="vllm_humming_compile_ahead=True works in QeRL's in-layer LoRA method"):
         QeRLGRPOConfig(**common, vllm_humming_compile_ahead=True, vllm_lora_backend="vllm")
+    # None: on with the in-layer method, off with vLLM's own LoRA (no error); the default stays off
+    from qerl_trl.trainer.config import humming_compile_ahead_enabled
+
+    assert not humming_compile_ahead_enabled(QeRLGRPOConfig(**common))
+    assert humming_compile_ahead_enabled(QeRLGRPOConfig(**common, vllm_humming_compile_ahead=True))
+    assert humming_compile_ahead_enabled(QeRLGRPOConfig(**common, vllm_humming_compile_ahead=None))
+    auto_vllm = QeRLGRPOConfig(**common, vllm_humming_compile_ahead=None, vllm_lora_backend="vllm")
+    assert not humming_compile_ahead_enabled(auto_vllm)
 
     ct = {"quantization_config": {"quant_method": "compressed-tensors"}}
     plain = lora_quantization_overrides(ct, 8, ["q_proj"], "humming")["quantization_config"][LORA_KEY]

@@ -76,16 +76,17 @@ class QeRLGRPOConfig(GRPOConfig):
             on any GPU (an error if it is not installed). `"marlin"`: Marlin everywhere. Humming compiles its
             kernels at the first engine start on a machine (minutes) and caches them in `$HUMMING_CACHE_DIR`
             (default `~/.humming/cache`). With `vllm_lora_backend="vllm"` the whole model runs on one kernel.
-        vllm_humming_compile_ahead (`bool`, defaults to `False`):
-            With `vllm_lora_backend="qerl"` on Humming: compile fewer of Humming's kernels, on a background thread
-            from the moment each layer's weights are loaded (beside the rest of the engine's start) instead of inside
-            its first forward: Humming's own kernels for decode batches up to the engine's `max_num_seqs`, and above
-            it one kernel per doubling of the rows up to `max_num_batched_tokens` (prefill chunks; any larger M
-            still runs): at most 10 kernels a 7B layer shape at 16 sequences an engine, where Humming's has 33. Cuts a
-            cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is unchanged. Off by default
-            (issue #55 item 4): its first cold start on an H100 compiled 33 kernels for 7B, against 132 without it,
-            and the trainer started in 123 s; beside TRL's on an H200, 110.9 s against TRL's 104.5 s in one call
-            (`docs/vllm.md`). Not yet run with sleep mode.
+        vllm_humming_compile_ahead (`bool` or `None`, defaults to `False`):
+            With `vllm_lora_backend="qerl"` on Humming (`True` is refused with `"vllm"`; `None` turns it on where it
+            applies, the in-layer method, and off elsewhere without an error): compile fewer of Humming's kernels, on a
+            background thread from the moment each layer's weights are loaded (beside the rest of the engine's start)
+            instead of inside its first forward: Humming's own kernels for decode batches up to the engine's
+            `max_num_seqs`, and above it one kernel per doubling of the rows up to `max_num_batched_tokens` (prefill
+            chunks; any larger M still runs): at most 10 kernels a 7B layer shape at 16 sequences an engine, where
+            Humming's has 33. Cuts a cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is
+            unchanged. Off by default (issue #55 item 4): its first cold start on an H100 compiled 33 kernels for 7B,
+            against 132 without it, and the trainer started in 123 s; beside TRL's on an H200, 110.9 s against TRL's
+            104.5 s in one call (`docs/vllm.md`). Not yet run with sleep mode.
         vllm_lora_expand_in_gemm (`bool`, defaults to `False`):
             With `vllm_lora_backend="qerl"` on Humming, in colocate mode: the LoRA's B becomes extra input columns of
             each linear's NVFP4 weight, so one Humming GEMM adds the base and the LoRA (`[x | x Aᵀ] @ [W | B]ᵀ`) and
@@ -223,11 +224,11 @@ class QeRLGRPOConfig(GRPOConfig):
         metadata={"help": "RAM-backed directory used to hand each round's adapter to vLLM (files removed at once)."},
     )
 
-    vllm_humming_compile_ahead: bool = field(
+    vllm_humming_compile_ahead: bool | None = field(
         default=False,
         metadata={"help": 'vllm_lora_backend="qerl" on Humming: compile fewer Humming kernels (its own for decode '
                   "batches, one a doubling of the rows above), in the background from the weight load (a faster cold "
-                  "start)."},
+                  "start; None: where the in-layer method runs)."},
     )
     vllm_lora_expand_in_gemm: bool = field(
         default=False,
@@ -391,6 +392,13 @@ class QeRLGRPOConfig(GRPOConfig):
     @property
     def resolved_cache_dir(self) -> str:
         return self.nvfp4_cache_dir or default_cache_dir()
+
+
+def humming_compile_ahead_enabled(args: QeRLGRPOConfig) -> bool:
+    """Whether the engine compiles Humming's kernels ahead: ``True`` (the config refused it with vLLM's own LoRA), or
+    ``None`` with the in-layer method, the one place it runs (it then acts only on the layers that run Humming)."""
+    setting = args.vllm_humming_compile_ahead
+    return bool(setting) or (setting is None and args.vllm_lora_backend == "qerl")
 
 
 def _is_number(v: object) -> bool:

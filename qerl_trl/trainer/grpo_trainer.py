@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 from trl import GRPOTrainer
 
 from .checkpoint_check import resolve_resume_checkpoint
-from .config import QeRLGRPOConfig
+from .config import QeRLGRPOConfig, humming_compile_ahead_enabled
 from .dataset_check import check_train_dataset
 from .fused_importance import (
     fused_importance_enabled,
@@ -154,7 +154,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 lora_sync_in_place=args.vllm_lora_sync_in_place,
                 lora_backend=args.vllm_lora_backend,
                 fp4_kernel=kernel,
-                humming_ahead=args.vllm_humming_compile_ahead,
+                humming_ahead=humming_compile_ahead_enabled(args),
                 expand_in_gemm=args.vllm_lora_expand_in_gemm,
                 return_routed_experts=args.vllm_return_routed_experts,
             )
