@@ -87,6 +87,7 @@ class EngineSpec:
     kernel: str | None = None  # FP4 arms: "marlin" or "humming"; None for bf16_merged
     profile_batches: tuple[int, ...] = ()  # after the timed batches: one decode step of each, profiled
     repeats: int = 5  # timed generate calls per batch: the row is the median call, with the min-max of tokens/s
+    search_rows: tuple[int, ...] = ()  # Humming arms, last: Humming's configs timed at these rows (humming_search)
 
 
 def parse_arm(text: str) -> tuple[str, str | None]:
@@ -175,7 +176,8 @@ def qerl_lora_engine_kwargs(checkpoint: str, r: int, kernel: str = "marlin", exp
         config = json.load(f)
     overrides = lora_quantization_overrides(config, r, lora_targets(config), kernel, expand_in_gemm=expand_in_gemm)
     # vLLM's compile cache ignores hf_overrides: the marker keeps another rank from loading these kernels
-    return {"quantization": QUANT_NAME, "hf_overrides": overrides, "additional_config": compile_cache_marker([], overrides)}
+    return {"quantization": QUANT_NAME, "hf_overrides": overrides,
+            "additional_config": compile_cache_marker([], overrides)}
 
 
 def engine_source(spec: EngineSpec, work: str) -> tuple[str, dict, str]:
@@ -284,8 +286,8 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
         if spec.arm in QERL_LORA_ARMS:
             from qerl_trl.vllm_plugin.single_lora import push_lora_in_place
 
-            adapters = {k: (a.to(torch.bfloat16), b.to(torch.bfloat16))
-                        for k, (a, b) in random_lora(AutoConfig.from_pretrained(model), spec.lora_r).items()}  # fmt: skip
+            pairs = random_lora(AutoConfig.from_pretrained(model), spec.lora_r)
+            adapters = {k: (a.to(torch.bfloat16), b.to(torch.bfloat16)) for k, (a, b) in pairs.items()}
             filled = sum(llm.apply_model(lambda m: push_lora_in_place(m, adapters, LORA_SCALING)))
             if filled == 0:
                 raise RuntimeError("no single-LoRA layer in the engine")
@@ -320,6 +322,12 @@ def run_engine(spec: EngineSpec, work: str) -> list[dict]:
             for r in rows:
                 if r["batch"] == batch:
                     r["decode_profile"] = profile
+        if spec.search_rows and spec.kernel == "humming":  # last: it compiles many kernels beside the engine's
+            from benchmarks.humming_search import search_model
+
+            search = llm.apply_model(lambda m: search_model(m, spec.search_rows))[0]
+            for r in rows:
+                r["humming_search"] = search
         return rows
     except BaseException as e:  # noqa: BLE001 - a failed engine is rows with its status
         return [dict(base, batch=b, status=e2e._classify(e), traceback=traceback.format_exc()[-2500:])
@@ -449,6 +457,9 @@ def main(argv: list[str] | None = None) -> str | None:
     ap.add_argument("--profile-batches", nargs="*", type=int, default=[],
                     help="also profile one decode step at each of these batches (of --batches) per engine: "
                     "benchmarks/decode_profile.py")
+    ap.add_argument("--humming-search-rows", nargs="*", type=int, default=[],
+                    help="on Humming arms, after the timed batches: time Humming's heuristic config against a sample "
+                    "of its legal ones at these decode rows, on the engine's own layers (benchmarks/humming_search.py)")
     ap.add_argument("--work", default="/tmp/qerl-e2e", help="checkpoints (shared with e2e_step.py)")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
@@ -470,7 +481,8 @@ def main(argv: list[str] | None = None) -> str | None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         fields = json.loads(a.child)
         spec = EngineSpec(**{**fields, "batches": tuple(fields["batches"]),
-                             "profile_batches": tuple(fields.get("profile_batches", ()))})
+                             "profile_batches": tuple(fields.get("profile_batches", ())),
+                             "search_rows": tuple(fields.get("search_rows", ()))})
         with open(a.rows_out, "w") as f:
             json.dump(run_engine(spec, a.work), f, default=str)
         return None
@@ -497,12 +509,12 @@ def main(argv: list[str] | None = None) -> str | None:
         e2e.prepare_checkpoints(a.work, size, need_bf16=need_bf16)
         for arm, kernel in arms:
             spec = EngineSpec(size, arm, tuple(a.batches), a.prompt_len, a.gen_len, a.lora_r, kernel,
-                              tuple(a.profile_batches), a.repeats)
+                              tuple(a.profile_batches), a.repeats, tuple(a.humming_search_rows))
             elapsed = time.monotonic() - start
             limit = engine_timeout(a.timeout, a.deadline, elapsed)
             if limit is None:
-                got = [dict(size=size, arm=arm, kernel=kernel, batch=b, status=f"not_run: {a.deadline - elapsed:.0f} s were left "
-                            f"of --deadline {a.deadline:.0f} s") for b in a.batches]  # fmt: skip
+                why = f"not_run: {a.deadline - elapsed:.0f} s were left of --deadline {a.deadline:.0f} s"
+                got = [dict(size=size, arm=arm, kernel=kernel, batch=b, status=why) for b in a.batches]
             else:
                 got = run_arm(spec, a.work, limit)
             for r in got:

@@ -171,3 +171,20 @@ def test_the_tables_of_a_model_name_each_distinct_humming_layer_once(monkeypatch
     assert got["4608x3584"] == {"intervals": [[0, 8, [16, 128, 64]], [8, 4096, [64, 128, 64]],
                                               [4096, ANY_ROWS, [64, 128, 64]]], "kernels": 2, "cut": None}  # fmt: skip
     assert got["3584x3584"]["cut"] == 1
+
+
+def test_the_humming_layers_of_a_model_are_grouped_by_layer_config_in_model_order():
+    """``humming_layers``: every layer of one Humming config, in model order (a search times a config over all of
+    them, so each call reads weights from HBM as a decode step does), with its compute config and method."""
+    from qerl_trl.vllm_plugin.humming_ahead import humming_layers
+
+    def linear(n, k):
+        layer = _layer(json.dumps({"shape_n": n, "shape_k": k}))
+        chosen = type("Humming", (), {"compute_config": '{"c": 1}'})()
+        layer.quant_method = type("Lora", (), {"inner": type("ByShape", (), {"chosen": chosen})()})()
+        return layer
+
+    a1, b1, a2 = linear(4608, 3584), linear(3584, 3584), linear(4608, 3584)
+    got = humming_layers(nn.ModuleList([a1, nn.Linear(2, 2), b1, a2]))
+    assert [(json.loads(k)["shape_n"], c, layers) for k, (c, _, layers) in got.items()] == [
+        (4608, '{"c": 1}', [a1, a2]), (3584, '{"c": 1}', [b1])]

@@ -37,7 +37,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 __all__ = ["KernelsAhead", "HummingAhead", "cut_row_table", "engine_row_budget", "engine_row_table",
-           "humming_tables_of"]
+           "humming_layers", "humming_tables_of"]
 
 #: Humming's table entries end at this many rows for "every larger M" (humming 0.1.19 ``tune/base.py``)
 ANY_ROWS = 1 << 30
@@ -215,14 +215,10 @@ class HummingAhead:
         return out.view(*x.shape[:-1], out.size(-1))
 
 
-def humming_tables_of(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """``{"NxK": {"intervals": [[lo, hi, block_shape], ...], "kernels": n, "cut": m or None}}`` for each distinct
-    Humming layer config of a vLLM model (run it with ``LLM.apply_model``): Humming's whole table for the layer (what
-    a cold start compiles without the cut: one kernel per distinct config) and, where the layer runs the engine's table,
-    its kernel count. For benchmark rows: which row intervals a cold start pays for."""
-    out: dict[str, dict[str, Any]] = {}
-    seen: set[str] = set()
-    device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+def humming_layers(model: nn.Module) -> dict[str, tuple[str, Any, list[nn.Module]]]:
+    """``{layer config: (compute config, the layers' method, [layers])}`` of a vLLM model's Humming linears, in model
+    order, one entry per distinct Humming layer config (its N x K and dtypes): what the engine compiles kernels for."""
+    out: dict[str, tuple[str, Any, list[nn.Module]]] = {}
     for module in model.modules():
         metas = getattr(module, "humming_metas", None)
         method = getattr(module, "quant_method", None)
@@ -230,10 +226,18 @@ def humming_tables_of(model: nn.Module) -> dict[str, dict[str, Any]]:
         compute = getattr(getattr(method, "chosen", method), "compute_config", None)
         if not isinstance(metas, dict) or "" not in metas or compute is None:
             continue
-        layer_config = metas[""].to_str()
-        if layer_config in seen:
-            continue
-        seen.add(layer_config)
+        out.setdefault(metas[""].to_str(), (compute, method, []))[2].append(module)
+    return out
+
+
+def humming_tables_of(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{"NxK": {"intervals": [[lo, hi, block_shape], ...], "kernels": n, "cut": m or None}}`` for each distinct
+    Humming layer config of a vLLM model (run it with ``LLM.apply_model``): Humming's whole table for the layer (what
+    a cold start compiles without the cut: one kernel per distinct config) and, where the layer runs the engine's table,
+    its kernel count. For benchmark rows: which row intervals a cold start pays for."""
+    out: dict[str, dict[str, Any]] = {}
+    device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    for layer_config, (compute, method, _) in humming_layers(model).items():
         parsed = json.loads(layer_config)
         table = _humming_table(layer_config, compute, device)
         cut = getattr(method, "tuning_config", None)
