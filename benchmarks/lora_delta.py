@@ -2,12 +2,13 @@
 
     python benchmarks/lora_delta.py [--out-dir benchmarks/results]        # -> lora_delta-<gpu>.json
 
-What the single-LoRA vLLM path (``vllm_lora_backend="qerl"``) adds to each NVFP4 linear at decode, at Qwen2.5
-layer shapes, r=32, bf16. The base GEMM's stand-in is a bf16 GEMM reading as many weight bytes as the NVFP4 layer
-(``[N, K/4]`` bf16 against NVFP4's ``[N, K]`` at 4.5 bits), between the two LoRA ops as in the layer. Each arm is timed as vLLM runs decode: one call per distinct copy of the layer's weights,
-back to back inside one CUDA graph, replayed (:func:`graph_us`: the median of 5 timed batches). The copies add up
-to 160 MB or more (at least 4 and at most 64), so the weights mostly come from HBM, as in decode, where every other
-layer's weights evict them from the 50 MB L2.
+What the single-LoRA vLLM path (``vllm_lora_backend="qerl"``) adds to each NVFP4 linear at decode, at Qwen2.5 layer
+shapes, r=32, bf16. The base GEMM's stand-in is a bf16 GEMM reading as many weight bytes as the NVFP4 layer
+(``[N, K/4]`` bf16 against NVFP4's ``[N, K]`` at 4.5 bits), between the two LoRA ops as in the layer. Each arm is
+timed as vLLM runs decode: one call per distinct copy of the layer's weights, back to back inside one CUDA graph,
+replayed (:func:`graph_us`: the median of 5 timed batches). The copies add up to 160 MB or more (at least 4 and at
+most 64), so the weights mostly come from HBM, as in decode, where every other layer's weights evict them from the
+50 MB L2.
 
 Rows ``{size, layer, rows, path, us, lora_us, max_rel_err}`` per arm (``path``):
 
@@ -18,6 +19,11 @@ Rows ``{size, layer, rows, path, us, lora_us, max_rel_err}`` per arm (``path``):
 
 ``lora_us`` is the arm's time less ``base``'s. A per-step figure is printed: the sum over a layer's four linears
 times the number of layers.
+
+``--partial-rows 2048 4096`` adds a ``shipped`` arm per value with the shrink's partial-row budget
+(``lora_kernels.PARTIAL_ROWS``, 512) at that value (rows' ``partial_rows``): the budget caps the shrink's K splits
+at ``budget / rows``, so at 64 rows ``down_proj``'s long-K shrink runs on 8 programs. In the 8 x 8 x 512 rollout
+profile (``e2e_step-h200.json``, run 20261128T015559Z-e3dd8a) the shrinks took 8.7 µs a launch.
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="*", default=["7b", "32b"], choices=list(SHAPES))
     ap.add_argument("--rows", nargs="*", type=int, default=[1, 16, 64, 128])
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--partial-rows", nargs="*", type=int, default=[],
+                    help="also time the shipped arm with the shrink's partial-row budget at each of these values")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -109,7 +117,10 @@ def main() -> None:
                 # layer in between evicts them from the 50 MB L2)
                 layer_bytes = (n * (k // 4) + len(slot_rows) * r * k + n * len(slot_rows) * r) * 2
                 copies = max(4, min(64, -(-160 * 2**20 // layer_bytes)))
+                shipped_budget = lk.PARTIAL_ROWS
+                lk.PARTIAL_ROWS = max([shipped_budget, *a.partial_rows])  # every arm's partials fit each layer's
                 layers, bounds = layer_copies(slot_rows, k, r, copies, dev, dt)
+                lk.PARTIAL_ROWS = shipped_budget
                 x = torch.randn(m, k, device=dev, dtype=dt)
                 xq = x[:, : k // 4]
 
@@ -125,25 +136,40 @@ def main() -> None:
                     lk.lora_expand_(y, shrunk, p[2], bounds, p[3], r, k)
                     return y
 
+                def with_budget(budget):
+                    def fn(p):
+                        lk.PARTIAL_ROWS = budget  # read by the shrink's launch (captured into the graph with it)
+                        try:
+                            return shipped(p)
+                        finally:
+                            lk.PARTIAL_ROWS = shipped_budget
+                    return fn
+
                 want = cublas(layers[0]).float()
                 base_us = None
-                for path, fn in (("base", base), ("cublas", cublas), ("shipped", shipped)):
-                    err = None if path == "base" else ((fn(layers[0]).float() - want).abs().max() / want.abs().max()).item()
+                arms = [("base", base, None), ("cublas", cublas, None), ("shipped", shipped, shipped_budget)]
+                arms += [("shipped", with_budget(b), b) for b in a.partial_rows if b != shipped_budget]
+                for path, fn, budget in arms:
+                    err = None if path == "base" else (
+                        (fn(layers[0]).float() - want).abs().max() / want.abs().max()).item()
                     us = graph_us([lambda p=p: fn(p) for p in layers])
                     base_us = us if path == "base" else base_us
                     rows_out.append(dict(size=size, layer=name, rows=m, rank=r, path=path, us=round(us, 2),
                                          lora_us=round(us - base_us, 2), max_rel_err=err and round(err, 5),
-                                         commit=commit, gpu_uuid=uuid))  # fmt: skip
-                    print(f"{size} m={m:3d} {name:8s} {path:8s} {us:7.2f} us  LoRA {us - base_us:6.2f} us  err {err}",
-                          flush=True)  # fmt: skip
+                                         commit=commit, gpu_uuid=uuid,
+                                         **({"partial_rows": budget} if budget else {})))  # fmt: skip
+                    print(f"{size} m={m:3d} {name:8s} {path:8s} {budget or '':>5} {us:7.2f} us  LoRA "
+                          f"{us - base_us:6.2f} us  err {err}", flush=True)  # fmt: skip
                 del layers
-            for path in ("base", "cublas", "shipped"):
-                sel = [x for x in rows_out if x["size"] == size and x["rows"] == m and x["path"] == path]
+            for path, budget in [("base", None), ("cublas", None), ("shipped", lk.PARTIAL_ROWS)] + [
+                    ("shipped", b) for b in a.partial_rows if b != lk.PARTIAL_ROWS]:
+                sel = [x for x in rows_out if x["size"] == size and x["rows"] == m and x["path"] == path
+                       and x.get("partial_rows") == budget]  # fmt: skip
                 if len(sel) == len(SHAPES[size]):
                     tot = sum(x["us"] for x in sel) * LAYERS[size] / 1000
                     lora = sum(x["lora_us"] for x in sel) * LAYERS[size] / 1000
-                    print(f"{size} m={m}: {path} per decode step (x{LAYERS[size]} layers) {tot:.3f} ms, LoRA {lora:.3f} "
-                          "ms", flush=True)  # fmt: skip
+                    print(f"{size} m={m}: {path} {budget or ''} per decode step (x{LAYERS[size]} layers) {tot:.3f} ms, "
+                          f"LoRA {lora:.3f} ms", flush=True)  # fmt: skip
     print("wrote", write_result("lora_delta", rows_out, a.out_dir))
 
 
