@@ -320,7 +320,8 @@ class QeRLGRPOConfig(GRPOConfig):
             raise ValueError(
                 "vllm_humming_compile_ahead=True works in QeRL's in-layer LoRA method (vllm_lora_backend='qerl'), "
                 "which runs vLLM's Humming method layer by layer; with vllm_lora_backend='vllm' vLLM builds the "
-                "whole model itself. Set vllm_lora_backend='qerl' or leave vllm_humming_compile_ahead off."
+                "whole model itself. Set vllm_lora_backend='qerl', or vllm_humming_compile_ahead=None (on only where "
+                "the in-layer method runs) or False."
             )
         if self.vllm_lora_expand_in_gemm and (self.vllm_lora_backend != "qerl" or self.vllm_fp4_kernel == "marlin"
                                               or (self.use_vllm and self.vllm_mode != "colocate")):
