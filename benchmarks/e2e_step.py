@@ -134,8 +134,8 @@ def parse_arm(text: str) -> dict[str, Any]:
     """``"trl_bf16:mb16:nogc"`` -> ``{"arm": "trl_bf16", "micro_batch": 16, "grad_ckpt": False, "fused_is": False}``:
     an arm of :data:`ARMS`, optionally at another micro-batch (``:mbN``), without gradient checkpointing
     (``:nogc``) or, for a QeRL arm, with ``fused_importance_sampling`` (``:fis``; without it the arm passes
-    ``False``, so a QeRL arm as shipped, whose default ``None`` takes the fused pass here, is ``:fis``), so each arm
-    can run at its own best settings beside the others; ``qerl_single_lora:ahead``: ``vllm_humming_compile_ahead``;
+    ``False``, whatever the config's default), so each arm can run at its own best settings beside the others;
+    ``qerl_single_lora:ahead``: ``vllm_humming_compile_ahead``;
     ``qerl_single_lora:expand``: ``vllm_lora_expand_in_gemm``."""
     arm, *options = text.split(":")
     if arm not in ARMS:
