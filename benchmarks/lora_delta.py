@@ -23,7 +23,10 @@ times the number of layers.
 ``--partial-rows 2048 4096`` adds a ``shipped`` arm per value with the shrink's partial-row budget
 (``lora_kernels.PARTIAL_ROWS``, 512) at that value (rows' ``partial_rows``): the budget caps the shrink's K splits
 at ``budget / rows``, so at 64 rows ``down_proj``'s long-K shrink runs on 8 programs. In the 8 x 8 x 512 rollout
-profile (``e2e_step-h200.json``, run 20261128T015559Z-e3dd8a) the shrinks took 8.7 µs a launch.
+profile (``e2e_step-h200.json``, run 20261128T015559Z-e3dd8a) the shrinks took 8.7 µs a launch. ``--shrink-bm 16
+32`` crosses those arms with a smaller largest row block (``lora_kernels._BM_MAX``, 64; rows' ``shrink_bm``): at 64
+rows, 16-row blocks give 4 times the programs, and the program that sums a block's partials reads a quarter of them.
+Both are read at each launch (:func:`shrink_settings`), so a CUDA graph captures them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -49,6 +54,31 @@ SHAPES = {
     "32b": {"qkv": ([5120, 1024, 1024], 5120), "o": ([5120], 5120), "gate_up": ([27648, 27648], 5120),
             "down": ([5120], 27648)},
 }  # fmt: skip
+
+
+@contextmanager
+def shrink_settings(partial_rows: int, bm_max: int) -> Iterator[None]:
+    """The single-LoRA ops with another partial-row budget and largest row block, then the shipped ones again. Both
+    are module constants of ``lora_kernels`` read at each launch (and part of its compiled kernels' keys: ``bm``
+    and ``k_chunk``), so a call made inside this block, or captured into a CUDA graph there, runs with them."""
+    saved = lk.PARTIAL_ROWS, lk._BM_MAX
+    lk.PARTIAL_ROWS, lk._BM_MAX = partial_rows, bm_max
+    try:
+        yield
+    finally:
+        lk.PARTIAL_ROWS, lk._BM_MAX = saved
+
+
+def shrink_arms(budgets: list[int], bms: list[int], rows: int | None = None) -> list[tuple[int, int]]:
+    """``(partial-row budget, largest row block)`` of each ``shipped`` arm: the shipped pair first, then every
+    other combination of the shipped and the given values, once each; at ``rows`` rows, without a largest row block
+    that launches as the shipped one does there (both at least the rows' block: 16 rows run in one 16-row block)."""
+    def block(bm: int) -> int:
+        return bm if rows is None else min(bm, max(16, 1 << (rows - 1).bit_length()))
+
+    combos = [(b, m) for b in [lk.PARTIAL_ROWS, *budgets] for m in [lk._BM_MAX, *bms]
+              if m == lk._BM_MAX or block(m) != block(lk._BM_MAX)]  # fmt: skip
+    return list(dict.fromkeys(combos))
 
 
 def graph_us(fns, replays: int = 30) -> float:
@@ -103,6 +133,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--partial-rows", nargs="*", type=int, default=[],
                     help="also time the shipped arm with the shrink's partial-row budget at each of these values")
+    ap.add_argument("--shrink-bm", nargs="*", type=int, default=[], choices=[16, 32, 64],
+                    help="and with each of these largest row blocks (crossed with --partial-rows)")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -117,10 +149,10 @@ def main() -> None:
                 # layer in between evicts them from the 50 MB L2)
                 layer_bytes = (n * (k // 4) + len(slot_rows) * r * k + n * len(slot_rows) * r) * 2
                 copies = max(4, min(64, -(-160 * 2**20 // layer_bytes)))
-                shipped_budget = lk.PARTIAL_ROWS
-                lk.PARTIAL_ROWS = max([shipped_budget, *a.partial_rows])  # every arm's partials fit each layer's
-                layers, bounds = layer_copies(slot_rows, k, r, copies, dev, dt)
-                lk.PARTIAL_ROWS = shipped_budget
+                settings = shrink_arms(a.partial_rows, a.shrink_bm, m)
+                # every arm's partials and semaphores fit each layer's scratch
+                with shrink_settings(max(b for b, _ in settings), min(m for _, m in settings)):
+                    layers, bounds = layer_copies(slot_rows, k, r, copies, dev, dt)
                 x = torch.randn(m, k, device=dev, dtype=dt)
                 xq = x[:, : k // 4]
 
@@ -136,20 +168,17 @@ def main() -> None:
                     lk.lora_expand_(y, shrunk, p[2], bounds, p[3], r, k)
                     return y
 
-                def with_budget(budget):
+                def with_settings(budget, bm):
                     def fn(p):
-                        lk.PARTIAL_ROWS = budget  # read by the shrink's launch (captured into the graph with it)
-                        try:
+                        with shrink_settings(budget, bm):  # read by the launches (captured into the graph)
                             return shipped(p)
-                        finally:
-                            lk.PARTIAL_ROWS = shipped_budget
                     return fn
 
                 want = cublas(layers[0]).float()
                 base_us = None
-                arms = [("base", base, None), ("cublas", cublas, None), ("shipped", shipped, shipped_budget)]
-                arms += [("shipped", with_budget(b), b) for b in a.partial_rows if b != shipped_budget]
-                for path, fn, budget in arms:
+                arms = [("base", base, None, None), ("cublas", cublas, None, None)]
+                arms += [("shipped", with_settings(b, bm), b, bm) for b, bm in settings]
+                for path, fn, budget, bm in arms:
                     err = None if path == "base" else (
                         (fn(layers[0]).float() - want).abs().max() / want.abs().max()).item()
                     us = graph_us([lambda p=p: fn(p) for p in layers])
@@ -157,19 +186,21 @@ def main() -> None:
                     rows_out.append(dict(size=size, layer=name, rows=m, rank=r, path=path, us=round(us, 2),
                                          lora_us=round(us - base_us, 2), max_rel_err=err and round(err, 5),
                                          commit=commit, gpu_uuid=uuid,
-                                         **({"partial_rows": budget} if budget else {})))  # fmt: skip
-                    print(f"{size} m={m:3d} {name:8s} {path:8s} {budget or '':>5} {us:7.2f} us  LoRA "
+                                         **({"partial_rows": budget} if budget else {}),
+                                         **({"shrink_bm": bm} if bm and bm != lk._BM_MAX else {})))  # fmt: skip
+                    print(f"{size} m={m:3d} {name:8s} {path:8s} {budget or '':>5} {bm or '':>3} {us:7.2f} us  LoRA "
                           f"{us - base_us:6.2f} us  err {err}", flush=True)  # fmt: skip
                 del layers
-            for path, budget in [("base", None), ("cublas", None), ("shipped", lk.PARTIAL_ROWS)] + [
-                    ("shipped", b) for b in a.partial_rows if b != lk.PARTIAL_ROWS]:
+            for path, budget, bm in [("base", None, None), ("cublas", None, None)] + [
+                    ("shipped", b, bm) for b, bm in shrink_arms(a.partial_rows, a.shrink_bm, m)]:
                 sel = [x for x in rows_out if x["size"] == size and x["rows"] == m and x["path"] == path
-                       and x.get("partial_rows") == budget]  # fmt: skip
+                       and x.get("partial_rows") == budget
+                       and x.get("shrink_bm") == (bm if bm != lk._BM_MAX else None)]  # fmt: skip
                 if len(sel) == len(SHAPES[size]):
                     tot = sum(x["us"] for x in sel) * LAYERS[size] / 1000
                     lora = sum(x["lora_us"] for x in sel) * LAYERS[size] / 1000
-                    print(f"{size} m={m}: {path} {budget or ''} per decode step (x{LAYERS[size]} layers) {tot:.3f} ms, "
-                          f"LoRA {lora:.3f} ms", flush=True)  # fmt: skip
+                    print(f"{size} m={m}: {path} {budget or ''} {bm or ''} per decode step (x{LAYERS[size]} layers) "
+                          f"{tot:.3f} ms, LoRA {lora:.3f} ms", flush=True)  # fmt: skip
     print("wrote", write_result("lora_delta", rows_out, a.out_dir))
 
 
