@@ -177,6 +177,24 @@ def test_the_decode_profile_table_is_the_json_rows():
         assert runs and all(run in text for run in runs), name
 
 
+def test_the_readme_decode_step_table_is_the_h100_profile_rows():
+    """README's short decode-step table: each cell from the H100 profile row of that batch in the run it names."""
+    (before, header, body), = _tables("| 7B decode, batch |")
+    run = re.findall(r"run (\S+) of \[`rollout-h100.json`\]", before)[-1]
+    rows = {r["batch"]: r["decode_profile"] for r in _rows("rollout-h100.json")
+            if r.get("run") == run and r.get("decode_profile")}  # fmt: skip
+    assert header[1:] == ["step", "FP4 GEMMs (TB/s)", "LoRA", "attention", "GPU waiting on the host"]
+    assert [int(cells[0]) for cells in body] == [16, 64]
+    for cells in body:
+        p = rows[int(cells[0])]
+        gemm, tbps = re.fullmatch(r"(\S+) \((\S+)\)", cells[2]).groups()
+        ms = p["ms_by_category"]
+        assert _close(cells[1], p["step_ms"]) and _close(gemm, ms["fp4_gemm"]), cells
+        assert _close(tbps, p["fp4_gemm_gb_per_s"] / 1000), cells
+        assert _close(cells[3], ms["lora"]) and _close(cells[4], ms["attention"]), cells
+        assert _close(cells[5], p["host_gap_ms"]), cells
+
+
 def test_the_fused_pass_table_is_the_json_rows():
     ((before, header, body),) = _tables("| fused pass | run (commit) |")
     assert header == ["fused pass", "run (commit)", "step", "rollout / sync / training pass", "peak"]
