@@ -74,7 +74,10 @@ def shrink_arms(budgets: list[int], bms: list[int], rows: int | None = None) -> 
     other combination of the shipped and the given values, once each; at ``rows`` rows, without a largest row block
     that launches as the shipped one does there (both at least the rows' block: 16 rows run in one 16-row block)."""
     def block(bm: int) -> int:
-        return bm if rows is None else min(bm, max(16, 1 << (rows - 1).bit_length()))
+        if rows is None:
+            return bm
+        with shrink_settings(lk.PARTIAL_ROWS, bm):
+            return lk._row_blocks(rows)[0]  # the row block the ops launch with at these rows
 
     combos = [(b, m) for b in [lk.PARTIAL_ROWS, *budgets] for m in [lk._BM_MAX, *bms]
               if m == lk._BM_MAX or block(m) != block(lk._BM_MAX)]  # fmt: skip

@@ -41,7 +41,7 @@ def test_the_settings_apply_inside_the_block_only_and_come_back_after_an_error()
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [16, 64])
-def test_every_arm_adds_the_exact_delta_from_scratch_sized_for_all_arms(rows):
+def test_every_arm_adds_the_exact_delta_from_scratch_sized_for_all_arms(rows, monkeypatch):
     """A long-K layer (``down_proj``-like: K = 64 x 128, one slot) at 16 and 64 rows, where the arms differ: more K
     splits and 16-row blocks give the shrink more programs and the summing program fewer partials."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,16 +57,13 @@ def test_every_arm_adds_the_exact_delta_from_scratch_sized_for_all_arms(rows):
     grids = []
     for budget, bm in arms:
         for serial_min_cols in (0, 10**9):  # the serial pair, and (at up to 16 rows) the split pair
-            lk_cols, lk.SERIAL_MIN_COLS = lk.SERIAL_MIN_COLS, serial_min_cols
-            try:
-                with ld.shrink_settings(budget, bm):
-                    y = y0.clone()
-                    shrunk = lk.lora_shrink(x, a, bounds, partials, rank, n)
-                    lk.lora_expand_(y, shrunk, b, bounds, partials, rank, k)
-                    bm_used, m_blocks = lk._row_blocks(rows)
-                    grids.append((lk._splits(rows, k, bm_used, m_blocks)[0], m_blocks))
-            finally:
-                lk.SERIAL_MIN_COLS = lk_cols
+            monkeypatch.setattr(lk, "SERIAL_MIN_COLS", serial_min_cols)
+            with ld.shrink_settings(budget, bm):
+                y = y0.clone()
+                shrunk = lk.lora_shrink(x, a, bounds, partials, rank, n)
+                lk.lora_expand_(y, shrunk, b, bounds, partials, rank, k)
+                bm_used, m_blocks = lk._row_blocks(rows)
+                grids.append((lk._splits(rows, k, bm_used, m_blocks)[0], m_blocks))
             torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
             assert not bounds[2:].any()  # the semaphores are back at zero
     assert len(set(grids)) == len(arms)  # each arm launches its own grid (K splits, row blocks)
