@@ -124,14 +124,16 @@ def test_humming_compile_ahead_reaches_the_engine_spec_only_on_humming_in_layer_
     from qerl_trl.vllm_plugin import LORA_KEY, lora_quantization_overrides
 
     common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    assert QeRLGRPOConfig(**common).vllm_humming_compile_ahead is False
+    assert QeRLGRPOConfig(**common).vllm_humming_compile_ahead is None
     assert QeRLGRPOConfig(**common, vllm_humming_compile_ahead=True).vllm_humming_compile_ahead is True
     with pytest.raises(ValueError, match="vllm_humming_compile_ahead=True works in QeRL's in-layer LoRA method"):
         QeRLGRPOConfig(**common, vllm_humming_compile_ahead=True, vllm_lora_backend="vllm")
-    # None: on with the in-layer method, off with vLLM's own LoRA (no error); the default stays off
+    # None, the default: on with the in-layer method, off with vLLM's own LoRA (no error); False: off
     from qerl_trl.trainer.config import humming_compile_ahead_enabled
 
-    assert not humming_compile_ahead_enabled(QeRLGRPOConfig(**common))
+    assert humming_compile_ahead_enabled(QeRLGRPOConfig(**common))
+    assert not humming_compile_ahead_enabled(QeRLGRPOConfig(**common, vllm_humming_compile_ahead=False))
+    assert not humming_compile_ahead_enabled(QeRLGRPOConfig(**common, vllm_lora_backend="vllm"))
     assert humming_compile_ahead_enabled(QeRLGRPOConfig(**common, vllm_humming_compile_ahead=True))
     assert humming_compile_ahead_enabled(QeRLGRPOConfig(**common, vllm_humming_compile_ahead=None))
     auto_vllm = QeRLGRPOConfig(**common, vllm_humming_compile_ahead=None, vllm_lora_backend="vllm")

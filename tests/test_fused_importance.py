@@ -174,7 +174,7 @@ def test_off_policy_or_uncorrected_rounds_are_refused_before_any_model_loads(tmp
         QeRLGRPOConfig(**{**base, **settings})
     ok = QeRLGRPOConfig(**{**base, "gradient_accumulation_steps": 4, "steps_per_generation": 2})
     assert ok.fused_importance_sampling
-    assert QeRLGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).fused_importance_sampling is False
+    assert QeRLGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).fused_importance_sampling is None
 
 
 def test_none_takes_the_fused_pass_where_the_rounds_allow_it_and_trls_forward_elsewhere(tmp_path):
@@ -189,4 +189,5 @@ def test_none_takes_the_fused_pass_where_the_rounds_allow_it_and_trls_forward_el
         args = QeRLGRPOConfig(**{**auto, **settings})  # not refused: TRL's forward runs instead
         assert not fused_importance_enabled(args), settings
     assert fused_importance_enabled(QeRLGRPOConfig(**base, fused_importance_sampling=True))
-    assert not fused_importance_enabled(QeRLGRPOConfig(**base))  # the default: off
+    assert fused_importance_enabled(QeRLGRPOConfig(**base))  # the default: None, where the rounds allow it
+    assert not fused_importance_enabled(QeRLGRPOConfig(**base, fused_importance_sampling=False))

@@ -76,18 +76,17 @@ class QeRLGRPOConfig(GRPOConfig):
             on any GPU (an error if it is not installed). `"marlin"`: Marlin everywhere. Humming compiles its
             kernels at the first engine start on a machine (minutes) and caches them in `$HUMMING_CACHE_DIR`
             (default `~/.humming/cache`). With `vllm_lora_backend="vllm"` the whole model runs on one kernel.
-        vllm_humming_compile_ahead (`bool` or `None`, defaults to `False`):
-            With `vllm_lora_backend="qerl"` on Humming (`True` is refused with `"vllm"`; `None` turns it on where it
-            applies, the in-layer method, and off elsewhere without an error): compile fewer of Humming's kernels, on a
-            background thread from the moment each layer's weights are loaded (beside the rest of the engine's start)
-            instead of inside its first forward: Humming's own kernels for decode batches up to the engine's
-            `max_num_seqs`, and above it one kernel per doubling of the rows up to `max_num_batched_tokens` (prefill
-            chunks; any larger M still runs): at most 10 kernels a 7B layer shape at 16 sequences an engine, where
-            Humming's has 33. Cuts a cold start (the first on a machine); a start from `$HUMMING_CACHE_DIR` is
-            unchanged (issue #55 item 4). Its first cold start on an H100 compiled 33 kernels for 7B, against 132
-            without it, and the trainer started in 123 s; beside TRL's on an H200, 110.9 s against TRL's 104.5 s in
-            one call, and with sleep mode 105.2 s against 88.4 s (`docs/vllm.md`). Off by default until the GPU
-            suite's training parts pass with `None` as the default at one `qerl_trl/` tree (`docs/testing.md`).
+        vllm_humming_compile_ahead (`bool` or `None`, defaults to `None`):
+            With `vllm_lora_backend="qerl"` on Humming (`True` is refused with `"vllm"`; `None`, the default, turns it
+            on where it applies, the in-layer method, and off elsewhere without an error): compile fewer of Humming's
+            kernels, on a background thread from the moment each layer's weights are loaded (beside the rest of the
+            engine's start) instead of inside its first forward: Humming's own kernels for decode batches up to the
+            engine's `max_num_seqs`, and above it one kernel per doubling of the rows up to `max_num_batched_tokens`
+            (prefill chunks; any larger M still runs): at most 10 kernels a 7B layer shape at 16 sequences an engine,
+            where Humming's has 33. Cuts a cold start (the first on a machine; issue #55 item 4); a start from
+            `$HUMMING_CACHE_DIR` is unchanged. Its first cold start on an H100 compiled 33 kernels for 7B, against
+            132 without it; beside TRL's on an H200, the trainer started in 110.9 s against TRL's 104.5 s in one call
+            (`docs/vllm.md`). `False` compiles Humming's whole table inside the first forward.
         vllm_lora_expand_in_gemm (`bool`, defaults to `False`):
             With `vllm_lora_backend="qerl"` on Humming, in colocate mode: the LoRA's B becomes extra input columns of
             each linear's NVFP4 weight, so one Humming GEMM adds the base and the LoRA (`[x | x Aᵀ] @ [W | B]ᵀ`) and
@@ -135,18 +134,16 @@ class QeRLGRPOConfig(GRPOConfig):
 
         > Training pass
 
-        fused_importance_sampling (`bool` or `None`, defaults to `False`):
+        fused_importance_sampling (`bool` or `None`, defaults to `None`):
             Take the trainer's log-probs of vLLM's importance-sampling ratio from each micro-batch's training
             forward, instead of the separate no-grad forward over the whole round that TRL runs for them: one
             forward fewer a step, the same ratio and loss. On-policy rounds only (`num_iterations=1`,
             `gradient_accumulation_steps` a multiple of `steps_per_generation`): with `True` anything else is
-            refused; with `None` the fused pass runs where the rounds allow it and TRL's forward elsewhere. TRL's
-            `sampling/*` metrics are then logged per micro-batch, and the rollout guard judges a round when the next
-            one starts (the last one when training ends). 1.18x the step at 7B 8x8x512 with sleep mode on an H200, and
-            1.13x at 7B 2x8x512 on an H100, each against QeRL without it in the same call (docs/benchmarks.md). Off
-            by default until the GPU suite's training parts pass with `None` as the default at one `qerl_trl/` tree
-            (docs/testing.md): at c88807b seven did; `moe` (in part), `real_shape_moe`, `multi_gpu`, the 32B parts
-            and `vllm_layers` did not run.
+            refused; with `None` (the default) the fused pass runs where the rounds allow it and TRL's forward
+            elsewhere. TRL's `sampling/*` metrics are then logged per micro-batch, and the rollout guard judges a round
+            when the next one starts (the last one when training ends). 1.18x the step at 7B 8x8x512 with sleep mode
+            on an H200, and 1.13x at 7B 2x8x512 on an H100, each against QeRL without it in the same call
+            (docs/benchmarks.md). `False` always runs TRL's separate forward.
 
     > [!NOTE]
     > Defaults that differ from [`trl.GRPOConfig`]: `learning_rate` is `1e-5` (QeRL paper, LoRA on an NVFP4 base).
@@ -227,7 +224,7 @@ class QeRLGRPOConfig(GRPOConfig):
     )
 
     vllm_humming_compile_ahead: bool | None = field(
-        default=False,
+        default=None,
         metadata={"help": 'vllm_lora_backend="qerl" on Humming: compile fewer Humming kernels (its own for decode '
                   "batches, one a doubling of the rows above), in the background from the weight load (a faster cold "
                   "start; None: where the in-layer method runs)."},
@@ -261,7 +258,7 @@ class QeRLGRPOConfig(GRPOConfig):
                   "so qerl_trl.trainer.moe_routing.check_routing can compare them with the trainer's router."},
     )
     fused_importance_sampling: bool | None = field(
-        default=False,
+        default=None,
         metadata={"help": "Build vLLM's importance-sampling ratio from each micro-batch's training forward instead of "
                   "a separate forward over the round (one forward fewer a step; on-policy rounds only; None: where "
                   "the rounds allow it)."},
@@ -322,8 +319,8 @@ class QeRLGRPOConfig(GRPOConfig):
             raise ValueError(
                 "vllm_humming_compile_ahead=True works in QeRL's in-layer LoRA method (vllm_lora_backend='qerl'), "
                 "which runs vLLM's Humming method layer by layer; with vllm_lora_backend='vllm' vLLM builds the "
-                "whole model itself. Set vllm_lora_backend='qerl', or vllm_humming_compile_ahead=None (on only where "
-                "the in-layer method runs) or False."
+                "whole model itself. Set vllm_lora_backend='qerl', or leave vllm_humming_compile_ahead at its default, "
+                "None (on only where the in-layer method runs), or set False."
             )
         if self.vllm_lora_expand_in_gemm and (self.vllm_lora_backend != "qerl" or self.vllm_fp4_kernel == "marlin"
                                               or (self.use_vllm and self.vllm_mode != "colocate")):
