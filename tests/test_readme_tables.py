@@ -28,7 +28,21 @@ ROLLOUT_ARMS = {"merged BF16 (TRL)": ("bf16_merged", None), "NVFP4 + vLLM's LoRA
                 'Humming + `"qerl"`': ("nvfp4_qerl_lora", "humming"), "Humming, no LoRA": ("nvfp4", "humming")}
 STEP_ARMS = {"TRL BF16 LoRA": ("trl_bf16", None), 'QeRL, `"vllm"`': ("qerl", None),
              'QeRL, `"qerl"` (default)': ("qerl_single_lora", None),
-             'QeRL, `"qerl"` (default), Humming': ("qerl_single_lora", "humming")}  # fmt: skip
+             'QeRL, `"qerl"` (default), Humming': ("qerl_single_lora", "humming"),
+             "QeRL, today's defaults, Humming": ("qerl_single_lora", "humming")}  # fmt: skip
+#: a step-table arm that claims today's defaults: its row must have run each of these options as the config's
+#: default runs it at a 2 × 8 on-policy setting with the "qerl" backend (``None`` there means on)
+DEFAULTS_ARM = "QeRL, today's defaults, Humming"
+DEFAULT_OPTIONS = {"fused_is": "fused_importance_sampling", "humming_ahead": "vllm_humming_compile_ahead"}
+
+
+def _default_on(field_name: str) -> bool:
+    import dataclasses
+
+    from qerl_trl import QeRLGRPOConfig
+
+    (default,) = [f.default for f in dataclasses.fields(QeRLGRPOConfig) if f.name == field_name]
+    return default is None or bool(default)
 
 
 def _kernel(row: dict) -> str | None:
@@ -111,6 +125,9 @@ def _check_step_table(header: list[str], body: list[list[str]]) -> None:
                   and (r["prompts"], r["generations"], r["completion_len"], r["sleep"]) == setting]  # fmt: skip
         assert row["status"] == "ok" and row["commit"].startswith(commit), (run, arm)
         assert kernel is None or row.get("fp4_kernel") == kernel, (run, arm, row.get("fp4_kernel"))
+        if cells[2] == DEFAULTS_ARM:
+            for key, field_name in DEFAULT_OPTIONS.items():
+                assert bool(row.get(key)) == _default_on(field_name), (run, arm, key)
         step, low, high = NUMBER.findall(cells[3])
         assert _close(step, row["step_s"]) and _close(low, row["step_s_min"]) and _close(high, row["step_s_max"])
         rollout, sync, rest = NUMBER.findall(cells[4])
